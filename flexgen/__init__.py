@@ -1,0 +1,48 @@
+"""flexgen: a code-generating FlashAttention compiler for score_mod / mask_mod variants.
+
+Porting FlexAttention code is one import:
+
+    from flexgen import flex_attention, create_block_mask
+
+Names are imported lazily so that `import flexgen` stays cheap and each stage
+loads only when it is used.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "score_mod": ".dsl.api",
+    "mask_mod": ".dsl.api",
+    "and_masks": ".dsl.api",
+    "or_masks": ".dsl.api",
+    "noop_mask": ".dsl.api",
+    "trace": ".dsl.api",
+    "Mod": ".dsl.mod",
+    "reference_attention": ".dsl.reference",
+    "variants": ".dsl.variants",
+    "emit": ".codegen.api",
+    "compile": ".codegen.api",
+    "KernelSpec": ".codegen.spec",
+    "flex_attention": ".attention",
+    "create_block_mask": ".blockmask",
+    "block_sparse_mask": ".blockmask",
+    "BlockMask": ".blockmask",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name], __name__)
+    value = module if name == "variants" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

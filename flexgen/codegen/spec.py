@@ -1,0 +1,101 @@
+"""KernelSpec: every compile-time choice of one generated kernel, as plain immutable data.
+
+A spec plus the template it names determines the emitted CUDA source completely;
+the cache key is derived from that source. Run-time values (sequence lengths,
+strides, parameter values, buffer pointers) are never part of a spec.
+
+Contract between stages
+-----------------------
+* `flexgen.codegen.lower.lower_mods(spec) -> LoweredMods` turns `score_expr`,
+  `mask_expr` into CUDA text (see lower.py for the exact signatures).
+* `flexgen.codegen.render.render(spec) -> str` picks
+  `flexgen/templates/<family>/<kind>.cu.j2` (family from `arch`: "sm80" for
+  sm_80/86/89, and for sm_90a until a Hopper family exists) and renders it with
+  `spec`, `mods` (the LoweredMods) and `cfg` (derived constants below).
+* Every template defines exactly one entry point, `extern "C" __global__`,
+  named `spec.entry_name`, taking a single `const __grid_constant__` params
+  struct that embeds `ModArgs mod;` as its last member.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..dsl.ir import Node
+
+KINDS = ("fwd", "bwd", "bwd_preprocess", "bwd_postprocess", "block_mask")
+DTYPES = ("bf16", "fp16")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    kind: str = "fwd"
+    head_dim: int = 128
+    dtype: str = "bf16"
+    arch: str = "sm_80"
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    score_expr: Node | None = None  # None: identity score_mod
+    mask_expr: Node | None = None  # None: no element mask (block mask may still skip tiles)
+    grad_buffers: tuple[str, ...] = ()  # buffers of score_expr whose gradient the backward accumulates
+    dropout: bool = False
+    deterministic: bool = False
+    debug: bool = False  # -G / -lineinfo builds
+    extra: tuple[tuple[str, object], ...] = field(default=())  # template-specific knobs, sorted pairs
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kernel kind {self.kind!r} is not one of {KINDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {DTYPES}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"architecture {self.arch!r} is not supported; use one of {ARCHS}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {self.head_dim} is not supported; supported head dims are {HEAD_DIMS}")
+        if self.score_expr is not None and self.score_expr.dtype.value == "bool":
+            raise TypeError("score_expr must not be boolean")
+        if self.mask_expr is not None and self.mask_expr.dtype.value != "bool":
+            raise TypeError("mask_expr must be boolean")
+
+    @property
+    def family(self) -> str:
+        return "sm80"
+
+    @property
+    def entry_name(self) -> str:
+        return f"flexgen_{self.kind}"
+
+    @property
+    def sm(self) -> int:
+        return int(self.arch[3:5])
+
+    def with_(self, **changes) -> "KernelSpec":
+        return replace(self, **changes)
+
+    def option(self, name: str, default=None):
+        return dict(self.extra).get(name, default)
+
+    def describe(self) -> dict:
+        """JSON-friendly summary (for cache metadata and `flexgen cache info`)."""
+        from ..dsl.printer import pretty
+
+        return {
+            "kind": self.kind,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "arch": self.arch,
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "score_mod": pretty(self.score_expr) if self.score_expr is not None else None,
+            "mask_mod": pretty(self.mask_expr) if self.mask_expr is not None else None,
+            "grad_buffers": list(self.grad_buffers),
+            "dropout": self.dropout,
+            "deterministic": self.deterministic,
+            "debug": self.debug,
+            "extra": {k: v for k, v in self.extra},
+        }

@@ -1,0 +1,135 @@
+"""Reference semantics of the IR: evaluate an expression on torch tensors.
+
+Integer ops follow torch (and Python): `//` floors, `%` takes the divisor's sign.
+Floats evaluate in `float_dtype` (float64 for the ground truth, float32 to mirror
+the kernels). Index inputs broadcast, so one call covers a whole (b, h, q, kv) grid.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .ir import DType, Node, postorder
+
+_UNARY = {
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "not": torch.logical_not,
+    "exp": torch.exp,
+    "exp2": torch.exp2,
+    "log": torch.log,
+    "log2": torch.log2,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "erf": torch.erf,
+}
+
+_BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "pow": torch.pow,
+    "min": torch.minimum,
+    "max": torch.maximum,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "and": torch.logical_and,
+    "or": torch.logical_or,
+    "xor": torch.logical_xor,
+    "mod": torch.remainder,
+}
+
+
+def torch_dtype(dtype: DType, float_dtype: torch.dtype = torch.float64) -> torch.dtype:
+    return {
+        DType.BOOL: torch.bool,
+        DType.INT32: torch.int32,
+        DType.INT64: torch.int64,
+        DType.FLOAT32: float_dtype,
+    }[dtype]
+
+
+def evaluate(
+    root: Node,
+    inputs: Mapping[str, torch.Tensor | int | float],
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    params: Mapping[str, bool | int | float] | None = None,
+    float_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Value of `root` given tensors (or Python numbers) for the inputs it reads."""
+    buffers = buffers or {}
+    params = params or {}
+    device = None
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor):
+            device = v.device
+            break
+    values: dict[str, torch.Tensor] = {}
+    for n in postorder(root):
+        dt = torch_dtype(n.dtype, float_dtype)
+        if n.op == "input":
+            if n.attr not in inputs:
+                raise KeyError(f"evaluate(): no value given for input {n.attr!r}")
+            v = torch.as_tensor(inputs[n.attr], device=device).to(dt)
+        elif n.op == "const":
+            v = torch.tensor(n.attr, dtype=dt, device=device)
+        elif n.op == "param":
+            if n.attr not in params:
+                raise KeyError(f"evaluate(): no value bound for scalar parameter {n.attr!r}")
+            v = torch.tensor(params[n.attr], device=device).to(dt)
+        elif n.op == "load":
+            v = _load(n, buffers, [values[a.digest] for a in n.args], device).to(dt)
+        else:
+            args = [values[a.digest] for a in n.args]
+            v = _apply(n, args, dt)
+        values[n.digest] = v
+    return values[root.digest]
+
+
+def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor], device) -> torch.Tensor:
+    spec = n.attr
+    if spec.name not in buffers:
+        raise KeyError(f"evaluate(): no tensor bound for buffer {spec.name!r}")
+    buf = buffers[spec.name]
+    if device is not None and buf.device != device:
+        buf = buf.to(device)
+    idx = [i.long() for i in idx]
+    for dim, i in enumerate(idx):
+        size = buf.shape[dim]
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= size):
+            raise IndexError(
+                f"buffer {spec.name!r} read out of range in dimension {dim}: index range "
+                f"[{int(i.min())}, {int(i.max())}] but the size is {size}"
+            )
+    if not idx:
+        return buf.reshape(())
+    idx = torch.broadcast_tensors(*idx)
+    return buf[tuple(idx)]
+
+
+def _apply(n: Node, args: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
+    op = n.op
+    if op == "cast":
+        return args[0].to(dt)
+    if op == "where":
+        return torch.where(args[0], args[1], args[2]).to(dt)
+    if op == "floordiv":
+        a, b = args
+        if a.dtype.is_floating_point:
+            return torch.floor(a / b)
+        return torch.div(a, b, rounding_mode="floor").to(dt)
+    if op in _UNARY:
+        return _UNARY[op](args[0]).to(dt)
+    if op in _BINARY:
+        return _BINARY[op](args[0], args[1]).to(dt)
+    raise NotImplementedError(f"evaluate(): op {op!r}")

@@ -1,0 +1,283 @@
+"""The typed, immutable expression IR that every stage after tracing speaks.
+
+A variant (score_mod or mask_mod) is one DAG of `Node`s over the five inputs
+`score, b, h, q_idx, kv_idx`, constants, scalar parameters and buffer loads.
+Nodes are plain immutable data; equality and hashing are structural, through a
+sha256 digest that is stable across processes and Python versions (it becomes
+part of the kernel cache key). Parameter *values* and buffer *contents* are
+never part of a node: only their names, dtypes and ranks are.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+class DType(enum.Enum):
+    BOOL = "bool"
+    INT32 = "int32"
+    INT64 = "int64"
+    FLOAT32 = "float32"
+
+    @property
+    def is_int(self) -> bool:
+        return self in (DType.INT32, DType.INT64)
+
+    @property
+    def is_float(self) -> bool:
+        return self is DType.FLOAT32
+
+
+INPUT_DTYPES = {
+    "score": DType.FLOAT32,
+    "b": DType.INT32,
+    "h": DType.INT32,
+    "q_idx": DType.INT32,
+    "kv_idx": DType.INT32,
+}
+
+UNARY_FLOAT_OPS = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf")
+UNARY_OPS = ("neg", "abs", "not") + UNARY_FLOAT_OPS
+ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "pow", "min", "max")
+COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGIC_OPS = ("and", "or", "xor")
+BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS
+LEAF_OPS = ("input", "const", "param")
+ALL_OPS = LEAF_OPS + ("load", "cast", "where") + UNARY_OPS + BINARY_OPS
+
+
+class IRTypeError(TypeError):
+    """An expression whose operand types the IR does not allow."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """What the kernel needs to know about a captured tensor: not its contents, not its shape."""
+
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32", "bfloat16", "int64", "bool"
+    ndim: int
+
+    @property
+    def load_dtype(self) -> DType:
+        if self.dtype == "bool":
+            return DType.BOOL
+        if self.dtype == "int64":
+            return DType.INT64
+        if self.dtype in ("int32", "int16", "int8", "uint8"):
+            return DType.INT32
+        return DType.FLOAT32
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One IR operation. `attr` holds the leaf payload (input name, constant, param name,
+    BufferSpec for loads, target DType for casts) and is None otherwise."""
+
+    op: str
+    dtype: DType
+    args: tuple["Node", ...] = ()
+    attr: Any = None
+    _digest: str = field(default="", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.op not in ALL_OPS:
+            raise IRTypeError(f"unknown IR op {self.op!r}")
+        object.__setattr__(self, "_digest", _digest_of(self))
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the structure: equal digests mean equal expressions."""
+        return self._digest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Node) and other._digest == self._digest
+
+    def __hash__(self) -> int:
+        return hash(self._digest)
+
+    def __repr__(self) -> str:
+        from .printer import pretty
+
+        return f"Node<{self.dtype.value}>({pretty(self)})"
+
+
+def _attr_token(attr: Any) -> str:
+    if attr is None:
+        return "-"
+    if isinstance(attr, bool):
+        return f"b:{int(attr)}"
+    if isinstance(attr, int):
+        return f"i:{attr}"
+    if isinstance(attr, float):
+        return f"f:{attr.hex()}" if math.isfinite(attr) else f"f:{attr!r}"
+    if isinstance(attr, DType):
+        return f"t:{attr.value}"
+    if isinstance(attr, BufferSpec):
+        return f"buf:{attr.name}:{attr.dtype}:{attr.ndim}"
+    if isinstance(attr, str):
+        return f"s:{attr}"
+    if isinstance(attr, tuple):
+        return "(" + ",".join(_attr_token(a) for a in attr) + ")"
+    raise IRTypeError(f"unhashable IR attribute {attr!r}")
+
+
+def _digest_of(node: Node) -> str:
+    text = "|".join([node.op, node.dtype.value, _attr_token(node.attr)] + [a._digest for a in node.args])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- constructors
+# Every constructor checks operand types, so an ill-typed DAG cannot be built.
+
+
+def const(value: bool | int | float, dtype: DType | None = None) -> Node:
+    if dtype is None:
+        if isinstance(value, bool):
+            dtype = DType.BOOL
+        elif isinstance(value, int):
+            dtype = DType.INT32 if -(2**31) <= value < 2**31 else DType.INT64
+        elif isinstance(value, float):
+            dtype = DType.FLOAT32
+        else:
+            raise IRTypeError(f"constants must be Python bool, int or float, got {type(value).__name__}")
+    if dtype is DType.BOOL:
+        value = bool(value)
+    elif dtype.is_int:
+        value = int(value)
+    else:
+        value = float(value)
+    return Node("const", dtype, (), value)
+
+
+def input_(name: str) -> Node:
+    if name not in INPUT_DTYPES:
+        raise IRTypeError(f"unknown input {name!r}; inputs are {', '.join(INPUT_DTYPES)}")
+    return Node("input", INPUT_DTYPES[name], (), name)
+
+
+def param(name: str, dtype: DType) -> Node:
+    """A scalar the kernel takes as a run-time argument (its value lives outside the IR)."""
+    return Node("param", dtype, (), name)
+
+
+def load(buffer: BufferSpec, indices: tuple[Node, ...]) -> Node:
+    if len(indices) != buffer.ndim:
+        raise IRTypeError(
+            f"buffer {buffer.name!r} has {buffer.ndim} dimension(s) but was indexed with {len(indices)} index(es)"
+        )
+    for i in indices:
+        if not i.dtype.is_int:
+            raise IRTypeError(
+                f"buffer {buffer.name!r} indexed with a {i.dtype.value} value; indices must be integers"
+            )
+    return Node("load", buffer.load_dtype, tuple(indices), buffer)
+
+
+def cast(x: Node, dtype: DType) -> Node:
+    if x.dtype is dtype:
+        return x
+    return Node("cast", dtype, (x,), dtype)
+
+
+def promote(a: DType, b: DType) -> DType:
+    """torch-like promotion: bool < int32 < int64 < float32."""
+    order = [DType.BOOL, DType.INT32, DType.INT64, DType.FLOAT32]
+    return max(a, b, key=order.index)
+
+
+def unary(op: str, x: Node) -> Node:
+    if op not in UNARY_OPS:
+        raise IRTypeError(f"unknown unary op {op!r}")
+    if op == "not":
+        if x.dtype is not DType.BOOL:
+            raise IRTypeError(f"'~'/not needs a bool operand, got {x.dtype.value}")
+        return Node(op, DType.BOOL, (x,))
+    if op in UNARY_FLOAT_OPS:
+        return Node(op, DType.FLOAT32, (cast(x, DType.FLOAT32),))
+    if x.dtype is DType.BOOL:
+        x = cast(x, DType.INT32)
+    return Node(op, x.dtype, (x,))
+
+
+def binary(op: str, a: Node, b: Node) -> Node:
+    if op in LOGIC_OPS:
+        if a.dtype is not DType.BOOL or b.dtype is not DType.BOOL:
+            raise IRTypeError(
+                f"'{op}' needs bool operands, got {a.dtype.value} and {b.dtype.value} "
+                "(integer bitwise operators are not supported)"
+            )
+        return Node(op, DType.BOOL, (a, b))
+    if op in COMPARE_OPS:
+        t = promote(a.dtype, b.dtype)
+        if t is DType.BOOL and op not in ("eq", "ne"):
+            t = DType.INT32
+        return Node(op, DType.BOOL, (cast(a, t), cast(b, t)))
+    if op not in ARITH_OPS:
+        raise IRTypeError(f"unknown binary op {op!r}")
+    t = promote(a.dtype, b.dtype)
+    if t is DType.BOOL:
+        t = DType.INT32
+    if op in ("div", "pow"):
+        t = DType.FLOAT32
+    return Node(op, t, (cast(a, t), cast(b, t)))
+
+
+def where(cond: Node, a: Node, b: Node) -> Node:
+    if cond.dtype is not DType.BOOL:
+        raise IRTypeError(f"where() needs a bool condition, got {cond.dtype.value}")
+    t = promote(a.dtype, b.dtype)
+    return Node("where", t, (cond, cast(a, t), cast(b, t)))
+
+
+# ---------------------------------------------------------------- traversal
+
+
+def postorder(root: Node) -> Iterator[Node]:
+    """Each distinct node once, operands before users (iterative: deep DAGs are fine)."""
+    seen: set[str] = set()
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node.digest in seen:
+            continue
+        if expanded:
+            seen.add(node.digest)
+            yield node
+        else:
+            stack.append((node, True))
+            for a in reversed(node.args):
+                if a.digest not in seen:
+                    stack.append((a, False))
+
+
+def buffers_of(root: Node) -> list[BufferSpec]:
+    """Buffers read by the expression, in first-use order."""
+    out: dict[str, BufferSpec] = {}
+    for n in postorder(root):
+        if n.op == "load":
+            out.setdefault(n.attr.name, n.attr)
+    return list(out.values())
+
+
+def params_of(root: Node) -> dict[str, DType]:
+    return {n.attr: n.dtype for n in postorder(root) if n.op == "param"}
+
+
+def inputs_of(root: Node) -> set[str]:
+    return {n.attr for n in postorder(root) if n.op == "input"}
+
+
+def replace(root: Node, mapping: dict[Node, Node]) -> Node:
+    """Rebuild `root` with every node in `mapping` swapped for its image."""
+    memo: dict[str, Node] = {}
+    for n in postorder(root):
+        if n in mapping:
+            memo[n.digest] = mapping[n]
+            continue
+        args = tuple(memo[a.digest] for a in n.args)
+        memo[n.digest] = n if args == n.args and all(x is y for x, y in zip(args, n.args)) else Node(n.op, n.dtype, args, n.attr)
+    return memo[root.digest]

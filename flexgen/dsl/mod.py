@@ -1,0 +1,75 @@
+"""`Mod`: a traced score_mod or mask_mod: its IR plus the values bound to it.
+
+The IR (and so the structural hash and every kernel cache key) holds only the
+structure; buffer tensors and scalar parameter values ride alongside and become
+kernel arguments. A Mod is also callable with torch tensors, so it can be passed
+wherever FlexAttention expects a plain function.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from .evaluate import evaluate
+from .ir import BufferSpec, DType, Node, buffers_of, params_of
+from .printer import pretty
+
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
+
+
+@dataclass(frozen=True, eq=False)
+class Mod:
+    kind: str  # "score" or "mask"
+    expr: Node
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    params: Mapping[str, bool | int | float] = field(default_factory=dict)
+    name: str = "mod"
+    source: str = ""  # what the user wrote (text form, or the function's source)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("score", "mask"):
+            raise ValueError(f"Mod kind must be 'score' or 'mask', got {self.kind!r}")
+        want = DType.BOOL if self.kind == "mask" else DType.FLOAT32
+        if self.expr.dtype is not want and not (self.kind == "score" and self.expr.dtype.is_int):
+            raise TypeError(f"a {self.kind}_mod must return {want.value}, got {self.expr.dtype.value}")
+        object.__setattr__(self, "buffers", MappingProxyType(dict(self.buffers)))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return SCORE_ARGS if self.kind == "score" else MASK_ARGS
+
+    @property
+    def structural_hash(self) -> str:
+        """Stable across processes; independent of buffer contents and parameter values."""
+        return hashlib.sha256(f"{self.kind}:{self.expr.digest}".encode()).hexdigest()
+
+    @property
+    def buffer_specs(self) -> list[BufferSpec]:
+        return buffers_of(self.expr)
+
+    @property
+    def param_specs(self) -> dict[str, DType]:
+        return params_of(self.expr)
+
+    def pretty(self) -> str:
+        return pretty(self.expr)
+
+    def evaluate(self, float_dtype: torch.dtype = torch.float64, **inputs) -> torch.Tensor:
+        return evaluate(self.expr, inputs, self.buffers, self.params, float_dtype)
+
+    def __call__(self, *args):
+        if len(args) != len(self.arg_names):
+            raise TypeError(f"{self.kind}_mod {self.name!r} takes ({', '.join(self.arg_names)}), got {len(args)} arguments")
+        inputs = dict(zip(self.arg_names, args))
+        fdt = args[0].dtype if self.kind == "score" and isinstance(args[0], torch.Tensor) else torch.float32
+        out = evaluate(self.expr, inputs, self.buffers, self.params, fdt if fdt.is_floating_point else torch.float32)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{self.kind}_mod {self.name}: {self.pretty()}"

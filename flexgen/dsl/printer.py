@@ -1,0 +1,79 @@
+"""Readable text for an IR expression, in the DSL's own text syntax."""
+from __future__ import annotations
+
+from .ir import Node, postorder
+
+_INFIX = {
+    "add": ("+", 4), "sub": ("-", 4), "mul": ("*", 5), "div": ("/", 5), "floordiv": ("//", 5),
+    "mod": ("%", 5), "pow": ("**", 7), "lt": ("<", 2), "le": ("<=", 2), "gt": (">", 2),
+    "ge": (">=", 2), "eq": ("==", 2), "ne": ("!=", 2), "and": ("and", 1), "or": ("or", 0),
+    "xor": ("xor", 0),
+}
+_ATOM = 9
+
+
+def pretty(root: Node) -> str:
+    """One-line text of the expression; shared subexpressions are written out where used."""
+    text: dict[str, tuple[str, int]] = {}
+    for n in postorder(root):
+        text[n.digest] = _format(n, [text[a.digest] for a in n.args])
+    return text[root.digest][0]
+
+
+def _paren(arg: tuple[str, int], prec: int, right: bool = False) -> str:
+    s, p = arg
+    return f"({s})" if p < prec or (right and p == prec) else s
+
+
+def _format(n: Node, args: list[tuple[str, int]]) -> tuple[str, int]:
+    op = n.op
+    if op == "input":
+        return n.attr, _ATOM
+    if op == "param":
+        return n.attr, _ATOM
+    if op == "const":
+        v = n.attr
+        if isinstance(v, bool):
+            return ("True" if v else "False"), _ATOM
+        if isinstance(v, float):
+            return repr(v), (_ATOM if v >= 0 else 6)
+        return str(v), (_ATOM if v >= 0 else 6)
+    if op == "load":
+        return f"{n.attr.name}[{', '.join(a[0] for a in args)}]", _ATOM
+    if op == "cast":
+        return f"{n.attr.value}({args[0][0]})", _ATOM
+    if op == "where":
+        return f"where({args[0][0]}, {args[1][0]}, {args[2][0]})", _ATOM
+    if op == "neg":
+        return f"-{_paren(args[0], 6)}", 6
+    if op == "not":
+        return f"not {_paren(args[0], 2)}", 1
+    if op in ("min", "max"):
+        return f"{op}imum({args[0][0]}, {args[1][0]})", _ATOM
+    if op in _INFIX:
+        sym, prec = _INFIX[op]
+        if op == "pow":
+            return f"{_paren(args[0], prec + 1)} ** {_paren(args[1], prec)}", prec
+        return f"{_paren(args[0], prec)} {sym} {_paren(args[1], prec, right=True)}", prec
+    return f"{op}({', '.join(a[0] for a in args)})", _ATOM
+
+
+def pretty_lines(root: Node) -> str:
+    """Multi-line SSA form, one named temporary per node that is used more than once."""
+    uses: dict[str, int] = {}
+    for n in postorder(root):
+        for a in n.args:
+            uses[a.digest] = uses.get(a.digest, 0) + 1
+    names: dict[str, str] = {}
+    lines: list[str] = []
+    text: dict[str, tuple[str, int]] = {}
+    for n in postorder(root):
+        t = _format(n, [text[a.digest] for a in n.args])
+        if uses.get(n.digest, 0) > 1 and n.op not in ("input", "const", "param"):
+            name = f"t{len(names)}"
+            names[n.digest] = name
+            lines.append(f"{name} = {t[0]}")
+            t = (name, _ATOM)
+        text[n.digest] = t
+    lines.append(f"return {text[root.digest][0]}")
+    return "\n".join(lines)
