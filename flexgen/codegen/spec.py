@@ -18,7 +18,7 @@ Contract between stages
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from ..dsl.ir import Node
 
@@ -60,9 +60,24 @@ class KernelSpec:
         if self.mask_expr is not None and self.mask_expr.dtype.value != "bool":
             raise TypeError("mask_expr must be boolean")
 
+    def __hash__(self) -> int:
+        # Cached: the in-memory kernel cache hashes the spec on every lookup. Nodes hash
+        # through their precomputed digest, so even the first hash is cheap.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # str hashes differ between processes: never carry a cached hash across a pickle.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def family(self) -> str:
-        return "sm80"
+        from ..arch import family
+
+        return family(self.arch)
 
     @property
     def entry_name(self) -> str:

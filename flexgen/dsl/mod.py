@@ -66,6 +66,11 @@ class Mod:
     def __call__(self, *args):
         if len(args) != len(self.arg_names):
             raise TypeError(f"{self.kind}_mod {self.name!r} takes ({', '.join(self.arg_names)}), got {len(args)} arguments")
+        from .trace import inline_call  # lazy: trace.py imports this module
+
+        traced = inline_call(self, args)  # called inside another function being traced
+        if traced is not None:
+            return traced
         inputs = dict(zip(self.arg_names, args))
         fdt = args[0].dtype if self.kind == "score" and isinstance(args[0], torch.Tensor) else torch.float32
         out = evaluate(self.expr, inputs, self.buffers, self.params, fdt if fdt.is_floating_point else torch.float32)

@@ -1,0 +1,6 @@
+"""`python -m flexgen ...` is the `flexgen` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

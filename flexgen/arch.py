@@ -1,0 +1,118 @@
+"""Target architectures: names, detection, and which template family serves each.
+
+Targets are spelled like nvcc's `sm_XX`. sm_90 always becomes "sm_90a" so that
+Hopper-only instructions are allowed (a cubin for sm_90a runs on every sm_90 GPU).
+"""
+from __future__ import annotations
+
+import re
+
+from .cache import paths
+
+SUPPORTED = ("sm_80", "sm_86", "sm_89", "sm_90a")
+
+
+class UnsupportedArchError(RuntimeError):
+    pass
+
+
+class NoDeviceError(UnsupportedArchError):
+    """No CUDA device to detect the architecture from."""
+
+
+def normalize(arch: str | int | tuple[int, int]) -> str:
+    """Accepts "sm_80", "sm80", "80", "8.0", 80, (8, 0), "sm_90"/"sm_90a"; returns a SUPPORTED name."""
+    if isinstance(arch, tuple):
+        major, minor = arch
+    else:
+        text = str(arch).strip().lower()
+        m = re.fullmatch(r"(?:sm_?|compute_?)?(\d+)(?:\.(\d))?(a?)", text)
+        if not m:
+            raise UnsupportedArchError(f"cannot read {arch!r} as a GPU architecture; write it like 'sm_80' or 'sm_90a'")
+        digits, dot_minor, _ = m.groups()
+        if dot_minor is not None:
+            major, minor = int(digits), int(dot_minor)
+        else:
+            major, minor = divmod(int(digits), 10)
+    return from_capability(major, minor)
+
+
+def from_capability(major: int, minor: int) -> str:
+    """The newest supported target whose cubins run on a GPU of compute capability major.minor."""
+    if major < 8:
+        raise UnsupportedArchError(
+            f"compute capability {major}.{minor} is older than sm_80; flexgen kernels need an Ampere (sm_80) or newer GPU"
+        )
+    if major == 8:
+        # cubins are forward compatible within a major version: sm_86 code runs on sm_87.
+        return max((a for a in ("sm_80", "sm_86", "sm_89") if int(a[4]) <= minor), key=lambda a: int(a[4]))
+    if major == 9:
+        return "sm_90a"
+    raise UnsupportedArchError(
+        f"compute capability {major}.{minor} has no flexgen template family yet; supported targets are {', '.join(SUPPORTED)}"
+    )
+
+
+def current(device_index: int | None = None) -> str:
+    """Target of the current (or given) CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoDeviceError(
+            "no CUDA device is visible; name the target (arch=... or --arch) or set FLEXGEN_ARCH_LIST (e.g. 'sm_80,sm_90a')"
+        )
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return from_capability(*torch.cuda.get_device_capability(index))
+
+
+_cuda_available: bool | None = None
+
+
+def current_key():
+    """Cheap identity of "the current device" (its index; None without CUDA), for memo keys."""
+    global _cuda_available
+    if _cuda_available is None:
+        import torch
+
+        _cuda_available = torch.cuda.is_available()
+    if not _cuda_available:
+        return None
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def current_arch(device=None) -> str:
+    """Target of a device given as None (current), an index, or a torch.device."""
+    index = getattr(device, "index", device)
+    if getattr(device, "type", "cuda") != "cuda":
+        raise UnsupportedArchError(f"flexgen kernels run on CUDA devices, not on {device}")
+    return current(index)
+
+
+def targets() -> list[str]:
+    """FLEXGEN_ARCH_LIST if set, else the current device's target."""
+    listed = paths.arch_list()
+    if listed:
+        return list(dict.fromkeys(normalize(a) for a in listed))
+    return [current()]
+
+
+def jit_target() -> str:
+    """The architecture a JIT compile targets: the current GPU, else the first FLEXGEN_ARCH_LIST entry."""
+    try:
+        return current()
+    except NoDeviceError:
+        listed = paths.arch_list()
+        if listed:
+            return normalize(listed[0])
+        raise
+
+
+def family(arch: str) -> str:
+    """Template family for an architecture. Hopper uses the sm80 family until an sm90 family exists;
+    a new family slots in here."""
+    sm = int(re.sub(r"\D", "", arch)[:2])
+    if sm < 80:
+        raise UnsupportedArchError(f"{arch} is older than sm_80")
+    return "sm80"

@@ -1,0 +1,212 @@
+"""`flexgen.flex_attention`: a drop-in for torch.nn.attention.flex_attention.flex_attention.
+
+Validation happens here, before any kernel is looked up or launched; everything the
+kernel needs to know at compile time goes into a KernelSpec, everything else into
+its run-time parameters.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+
+from .blockmask import BlockMask, _as_mask_mod
+from .codegen.spec import HEAD_DIMS, KernelSpec
+from .dsl.mod import Mod
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_KERNEL_OPTION_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+# deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod.
+_FLAG_OPTIONS = ("deterministic", "precise_math")
+
+# Traced score_mods, keyed by the function and what its closure holds right now, so a
+# training loop traces once; rebinding a closure variable to a new tensor retraces.
+_trace_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _closure_key(fn) -> tuple:
+    cells = getattr(fn, "__closure__", None) or ()
+    out = []
+    for c in cells:
+        try:
+            out.append(id(c.cell_contents))
+        except ValueError:  # empty cell
+            out.append(None)
+    return tuple(out)
+
+
+def _traced(fn, kind: str) -> Mod | None:
+    if fn is None or isinstance(fn, Mod):
+        return fn
+    from .dsl.api import mask_mod as trace_mask, score_mod as trace_score
+
+    trace = trace_score if kind == "score" else trace_mask
+    if isinstance(fn, str):
+        return trace(fn)
+    try:
+        per_fn = _trace_cache.setdefault(fn, {})
+    except TypeError:  # not weak-referenceable: trace every time
+        return trace(fn)
+    key = _closure_key(fn)
+    if key not in per_fn:
+        per_fn.clear()
+        per_fn[key] = trace(fn)
+    return per_fn[key]
+
+
+def _check_inputs(query, key, value, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flex_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"flex_attention: {name} must have shape (B, H, L, D), got {tuple(t.shape)}")
+    if query.device.type != "cuda":
+        raise ValueError(
+            "flex_attention runs generated CUDA kernels and needs CUDA tensors, got tensors on "
+            f"{query.device}; for a CPU (float64) computation use flexgen.reference_attention"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"flex_attention: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"flex_attention: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if query.dtype not in _DTYPES:
+        raise TypeError(f"flex_attention: dtype {query.dtype} is not supported; use torch.bfloat16 or torch.float16")
+    bq, hq, _, d = query.shape
+    bk, hk, lk, dk = key.shape
+    bv, hv, lv, dv = value.shape
+    if not (bq == bk == bv):
+        raise ValueError(f"flex_attention: batch sizes differ: query {bq}, key {bk}, value {bv}")
+    if hk != hv or lk != lv:
+        raise ValueError(f"flex_attention: key {tuple(key.shape)} and value {tuple(value.shape)} must agree in heads and length")
+    if d != dk or d != dv:
+        raise ValueError(f"flex_attention: head dims differ: query {d}, key {dk}, value {dv}; flexgen needs them equal")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flex_attention: head dim {d} is not supported; supported head dims are {HEAD_DIMS}")
+    if hq != hk:
+        if not enable_gqa:
+            raise ValueError(f"flex_attention: query has {hq} heads and key/value {hk}; pass enable_gqa=True for grouped-query attention")
+        if hq % hk:
+            raise ValueError(f"flex_attention: query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA")
+    if query.shape[2] == 0 or lk == 0:
+        raise ValueError("flex_attention: sequence lengths must be at least 1")
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernel reads 16-byte rows: last dim contiguous, other strides and the base 16-byte aligned."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+def _check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if tuple(bm.seq_lengths) != (q_len, kv_len):
+        raise ValueError(
+            f"flex_attention: the block mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)} but the inputs "
+            f"have ({q_len}, {kv_len}); build it with create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
+        )
+    if bm.device != query.device:
+        raise ValueError(f"flex_attention: the block mask is on {bm.device} but the inputs are on {query.device}; use block_mask.to(device)")
+    bq, bkv = bm.BLOCK_SIZE
+    if bq % spec.block_m or bkv % spec.block_n:
+        raise ValueError(
+            f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "
+            f"({spec.block_m}, {spec.block_n}); use BLOCK_SIZE=128 or set kernel_options BLOCK_M/BLOCK_N"
+        )
+    b, h = query.shape[0], query.shape[1]
+    mb, mh = bm.kv_num_blocks.shape[0], bm.kv_num_blocks.shape[1]
+    if mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
+    if bm.kv_indices.shape[-2] < -(-q_len // bq):
+        raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
+
+
+def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None) -> KernelSpec:
+    from .arch import current_arch
+    from .codegen.configs import choose_config
+
+    options = dict(kernel_options or {})
+    overrides = {}
+    for user_name, field in _KERNEL_OPTION_NAMES.items():
+        if user_name in options:
+            overrides[field] = int(options.pop(user_name))
+    extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
+    deterministic = bool(options.pop("deterministic", False))
+    if options:
+        raise ValueError(
+            f"flex_attention: unknown kernel_options {sorted(options)}; known: {sorted(_KERNEL_OPTION_NAMES) + sorted(_FLAG_OPTIONS)}"
+        )
+    dtype = _DTYPES[query.dtype]
+    head_dim = query.shape[-1]
+    arch = current_arch(query.device)
+    cfg = choose_config(kind, head_dim, dtype, arch, **overrides)
+    return KernelSpec(
+        kind=kind, head_dim=head_dim, dtype=dtype, arch=arch,
+        block_m=cfg["block_m"], block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        score_expr=score.expr if score is not None else None,
+        mask_expr=mask.expr if mask is not None else None,
+        deterministic=deterministic and kind.startswith("bwd"),
+        extra=extra,
+    )
+
+
+def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options):
+    """Validated inputs -> (out, lse) through the generated forward kernel."""
+    from .cache import get_kernel
+    from .codegen.cstruct import pack_mod_args
+    from .codegen.lower import lower_mods
+    from .runtime.forward import launch_forward
+
+    spec = make_spec("fwd", query, score, mask, kernel_options)
+    if bm is not None:
+        _check_block_mask(bm, query, key, spec)
+    kernel = get_kernel(spec)
+    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
+    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    mod_args = pack_mod_args(lower_mods(spec), buffers, params)
+    q, k, v = _kernel_ready(query), _kernel_ready(key), _kernel_ready(value)
+    b, h, lq, d = q.shape
+    out = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm)
+    return out, lse
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod=None,
+    block_mask=None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict | None = None,
+):
+    """Attention with a user score_mod and block mask, through generated FlashAttention kernels.
+
+    Same arguments, shapes (B, H, L, D) and semantics as torch's flex_attention:
+    score = q.k * scale (default 1/sqrt(D)), then score_mod(score, b, h, q_idx, kv_idx),
+    then the block mask's mask_mod, softmax, times value. Returns out, or (out, lse)
+    with lse in natural log. Fully masked rows give 0 and lse = -inf.
+
+    >>> from flexgen import flex_attention, create_block_mask
+    >>> causal = lambda b, h, q, kv: q >= kv
+    >>> mask = create_block_mask(causal, None, None, 4096, 4096)
+    >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), block_mask=mask)
+    """
+    _check_inputs(query, key, value, enable_gqa)
+    score = _traced(score_mod, "score")
+    bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
+    mask = None
+    if bm is not None:
+        mask = bm.mask_mod if isinstance(bm.mask_mod, Mod) else _as_mask_mod(_traced(bm.mask_mod, "mask")) if bm.mask_mod is not None else None
+        if mask is not None and mask.expr.op == "const" and mask.expr.attr is True:
+            mask = None
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    from .autograd import attention_with_grad
+
+    out, lse = attention_with_grad(query, key, value, score, bm, mask, float(scale), kernel_options)
+    return (out, lse) if return_lse else out

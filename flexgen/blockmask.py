@@ -1,0 +1,313 @@
+"""BlockMask: which (query block, KV block) tiles a kernel visits, and which need mask_mod.
+
+The layout is PyTorch FlexAttention's, so a `torch.nn.attention.flex_attention.BlockMask`
+converts without copying its index tensors. Building a mask never materialises an
+N x N tensor: the static analysis of the mask's IR classifies tiles wholesale, and only
+tiles it cannot decide are evaluated, a chunk of tiles at a time, on the target device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .dsl.mod import Mod
+
+DEFAULT_BLOCK_SIZE = 128
+# Elements evaluated at once when refining undecided tiles (bounds the temporary memory).
+_EVAL_CHUNK_ELEMENTS = 1 << 24
+
+
+def _as_mask_mod(mask_mod) -> Mod | None:
+    """A Mod for `mask_mod`, or None for "no element mask" (noop)."""
+    if mask_mod is None:
+        return None
+    from .dsl.api import mask_mod as trace_mask, noop_mask
+
+    mod = trace_mask(mask_mod)
+    if mod is noop_mask or (mod.expr.op == "const" and mod.expr.attr is True):
+        return None
+    return mod
+
+
+def _pair(block_size) -> tuple[int, int]:
+    if isinstance(block_size, int):
+        return block_size, block_size
+    q, kv = block_size
+    return int(q), int(kv)
+
+
+def _dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., rows, cols) bool -> per-row counts and the column indices, present ones first."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts, order.to(torch.int32).contiguous()
+
+
+def _lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
+    present = torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
+    dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=indices.device)
+    # Absent slots scatter into a spare column that is dropped afterwards.
+    target = torch.where(present, indices.long(), torch.full_like(indices.long(), cols))
+    dense.scatter_(-1, target, True)
+    return dense[..., :cols]
+
+
+@dataclass
+class BlockMask:
+    """Block-sparse description of a mask, in PyTorch FlexAttention's layout.
+
+    `kv_num_blocks`/`kv_indices` list the partial blocks of each query block (mask_mod is
+    applied inside them); `full_kv_*` the blocks where every element is visible. The `q_*`
+    fields are the transposes, for the backward pass. B or H of size 1 broadcast.
+    """
+
+    seq_lengths: tuple[int, int]
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor | None
+    full_kv_indices: torch.Tensor | None
+    q_num_blocks: torch.Tensor | None
+    q_indices: torch.Tensor | None
+    full_q_num_blocks: torch.Tensor | None
+    full_q_indices: torch.Tensor | None
+    BLOCK_SIZE: tuple[int, int]
+    mask_mod: Any
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: torch.Tensor | None = None,
+        full_kv_indices: torch.Tensor | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+        mask_mod: Callable | Mod | None = None,
+        seq_lengths: tuple[int, int] | None = None,
+    ) -> "BlockMask":
+        if kv_indices.dim() < 2:
+            raise ValueError(f"kv_indices must have at least 2 dimensions (..., q_blocks, kv_blocks), got {tuple(kv_indices.shape)}")
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError("full_kv_num_blocks and full_kv_indices must be given together")
+        bq, bkv = _pair(BLOCK_SIZE)
+        kv_num_blocks, kv_indices = kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32)
+        n_q, n_kv = kv_indices.shape[-2], kv_indices.shape[-1]
+        if seq_lengths is None:
+            seq_lengths = (n_q * bq, n_kv * bkv)
+        partial = _lists_to_dense(kv_num_blocks, kv_indices, n_kv)
+        q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2))
+        fq_num = fq_idx = None
+        if full_kv_num_blocks is not None:
+            full_kv_num_blocks, full_kv_indices = full_kv_num_blocks.to(torch.int32), full_kv_indices.to(torch.int32)
+            full = _lists_to_dense(full_kv_num_blocks, full_kv_indices, full_kv_indices.shape[-1])
+            fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
+        return cls(
+            seq_lengths=tuple(seq_lengths),
+            kv_num_blocks=kv_num_blocks,
+            kv_indices=kv_indices,
+            full_kv_num_blocks=full_kv_num_blocks,
+            full_kv_indices=full_kv_indices,
+            q_num_blocks=q_num,
+            q_indices=q_idx,
+            full_q_num_blocks=fq_num,
+            full_q_indices=fq_idx,
+            BLOCK_SIZE=(bq, bkv),
+            mask_mod=mask_mod,
+        )
+
+    @classmethod
+    def from_dense_blocks(cls, full: torch.Tensor, partial: torch.Tensor, block_size, seq_lengths, mask_mod) -> "BlockMask":
+        """From (B, H, nQ, nKV) booleans: which blocks are full and which partial."""
+        kv_num, kv_idx = _dense_to_lists(partial)
+        fkv_num, fkv_idx = _dense_to_lists(full)
+        q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2))
+        fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
+        return cls(tuple(seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, _pair(block_size), mask_mod)
+
+    @classmethod
+    def from_torch(cls, bm) -> "BlockMask":
+        """Adopt a torch.nn.attention.flex_attention.BlockMask as it is."""
+        if isinstance(bm, BlockMask):
+            return bm
+        q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+        if q_num is None:
+            made = cls.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
+            q_num, q_idx, fq_num, fq_idx = made.q_num_blocks, made.q_indices, made.full_q_num_blocks, made.full_q_indices
+        return cls(
+            tuple(bm.seq_lengths), bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+            q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
+        )
+
+    # ------------------------------------------------------------ views
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, h = self.kv_indices.shape[:2] if self.kv_indices.dim() == 4 else (1, 1)
+        return (b, h, self.seq_lengths[0], self.seq_lengths[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_indices.device
+
+    def to(self, device) -> "BlockMask":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return BlockMask(
+            self.seq_lengths, move(self.kv_num_blocks), move(self.kv_indices), move(self.full_kv_num_blocks),
+            move(self.full_kv_indices), move(self.q_num_blocks), move(self.q_indices), move(self.full_q_num_blocks),
+            move(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod,
+        )
+
+    def _broadcast_to(self, b: int, h: int) -> "BlockMask":
+        """Stride-0 views to (b, h, ...): masks that ignore b and h are stored once."""
+        grow = lambda t: None if t is None else t.expand(b, h, *t.shape[2:])  # noqa: E731
+        return BlockMask(
+            self.seq_lengths, grow(self.kv_num_blocks), grow(self.kv_indices), grow(self.full_kv_num_blocks),
+            grow(self.full_kv_indices), grow(self.q_num_blocks), grow(self.q_indices), grow(self.full_q_num_blocks),
+            grow(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod,
+        )
+
+    def _dense(self, counts, indices) -> torch.Tensor:
+        return _lists_to_dense(counts, indices, self.kv_indices.shape[-1])
+
+    def to_dense(self) -> torch.Tensor:
+        """(B, H, nQ, nKV) int32: 1 where a block is visited (partial or full)."""
+        dense = self._dense(self.kv_num_blocks, self.kv_indices)
+        if self.full_kv_num_blocks is not None:
+            dense = dense | self._dense(self.full_kv_num_blocks, self.full_kv_indices)
+        return dense.to(torch.int32)
+
+    def sparsity(self) -> float:
+        """Percentage of blocks skipped entirely."""
+        n_q, n_kv = self.kv_indices.shape[-2], self.kv_indices.shape[-1]
+        q_len, kv_len = self.seq_lengths
+        n_q, n_kv = min(n_q, -(-q_len // self.BLOCK_SIZE[0])), min(n_kv, -(-kv_len // self.BLOCK_SIZE[1]))
+        visited = self.to_dense()[..., :n_q, :n_kv].sum().item()
+        total = n_q * n_kv * self.to_dense().shape[:-2].numel()
+        return 100.0 * (1.0 - visited / max(total, 1))
+
+    def __repr__(self) -> str:
+        b, h, q_len, kv_len = self.shape
+        name = getattr(self.mask_mod, "name", getattr(self.mask_mod, "__name__", "noop")) if self.mask_mod is not None else "noop"
+        lines = [
+            f"BlockMask(shape=(B={b}, H={h}, Q_LEN={q_len}, KV_LEN={kv_len}), BLOCK_SIZE={self.BLOCK_SIZE}, "
+            f"sparsity={self.sparsity():.2f}%, mask_mod={name})"
+        ]
+        dense = self.to_dense()
+        if dense.shape[-2] <= 16 and dense.shape[-1] <= 32:
+            full = (
+                self._dense(self.full_kv_num_blocks, self.full_kv_indices)
+                if self.full_kv_num_blocks is not None
+                else torch.zeros_like(dense, dtype=torch.bool)
+            )
+            d, f = dense.reshape(-1, *dense.shape[-2:])[0], full.reshape(-1, *full.shape[-2:])[0]
+            for row in range(d.shape[0]):
+                lines.append("  " + "".join("█" if f[row, c] else ("░" if d[row, c] else "·") for c in range(d.shape[1])))
+            lines.append("  (█ full, ░ partial: mask_mod applied, · skipped; first batch and head)")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- classification
+
+
+def _classify(mod: Mod, q_len, kv_len, bq, bkv, b_range, h_range) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, partial) over (nQ, nKV) by static analysis; undecided tiles come back partial."""
+    n_q, n_kv = -(-q_len // bq), -(-kv_len // bkv)
+    try:
+        from .dsl.mask_analysis import classify_blocks
+    except ImportError:  # pragma: no cover - analysis module missing: everything is undecided
+        return torch.zeros(n_q, n_kv, dtype=torch.bool), torch.ones(n_q, n_kv, dtype=torch.bool)
+    full, partial = classify_blocks(mod.expr, q_len, kv_len, bq, bkv, params=dict(mod.params), b_range=b_range, h_range=h_range)
+    return full.cpu(), partial.cpu()
+
+
+def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, b: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluate mask_mod on the undecided tiles, a chunk at a time: which are in fact full or empty."""
+    tiles = partial.nonzero().to(device)
+    is_full = torch.zeros(len(tiles), dtype=torch.bool, device=device)
+    is_empty = torch.zeros(len(tiles), dtype=torch.bool, device=device)
+    per_chunk = max(1, _EVAL_CHUNK_ELEMENTS // (bq * bkv))
+    qr = torch.arange(bq, device=device, dtype=torch.int32)
+    kr = torch.arange(bkv, device=device, dtype=torch.int32)
+    bt = torch.tensor(b, dtype=torch.int32, device=device)
+    ht = torch.tensor(h, dtype=torch.int32, device=device)
+    for start in range(0, len(tiles), per_chunk):
+        chunk = tiles[start : start + per_chunk]
+        q = (chunk[:, 0, None].int() * bq + qr)[:, :, None]
+        kv = (chunk[:, 1, None].int() * bkv + kr)[:, None, :]
+        valid = (q < q_len) & (kv < kv_len)
+        values = mod.evaluate(float_dtype=torch.float32, b=bt, h=ht, q_idx=q.clamp(max=q_len - 1), kv_idx=kv.clamp(max=kv_len - 1))
+        values = values.expand(valid.shape)
+        is_full[start : start + len(chunk)] = (values | ~valid).flatten(1).all(1)
+        is_empty[start : start + len(chunk)] = ~(values & valid).flatten(1).any(1)
+    full = torch.zeros_like(partial)
+    still = partial.clone()
+    idx = tiles.cpu()
+    full[idx[:, 0], idx[:, 1]] = is_full.cpu()
+    still[idx[:, 0], idx[:, 1]] = ~(is_full | is_empty).cpu()
+    return full, still
+
+
+def create_block_mask(
+    mask_mod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: str | torch.device = "cuda",
+    BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    _compile: bool = False,
+) -> BlockMask:
+    """Block mask for `mask_mod` (a plain FlexAttention-style function, a flexgen Mod or text).
+
+    Tiles are classified by static analysis of the traced mask where it can decide them
+    (causal, windows, prefixes: no element is evaluated); the rest are evaluated on
+    `device`, a chunk of tiles at a time. B or H of None broadcasts (size 1).
+    """
+    if Q_LEN <= 0 or KV_LEN <= 0:
+        raise ValueError(f"Q_LEN and KV_LEN must be positive, got {Q_LEN} and {KV_LEN}")
+    bq, bkv = _pair(BLOCK_SIZE)
+    if bq <= 0 or bkv <= 0 or bq % 16 or bkv % 16:
+        raise ValueError(f"BLOCK_SIZE must be positive multiples of 16, got {(bq, bkv)}")
+    mod = _as_mask_mod(mask_mod)
+    device = torch.device(device)
+    n_q, n_kv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
+    B_, H_ = B or 1, H or 1
+    if mod is None:
+        full = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool)
+        partial = torch.zeros_like(full)
+        B_, H_ = 1, 1
+    else:
+        from .dsl.ir import inputs_of
+
+        used = inputs_of(mod.expr)
+        nb = B_ if "b" in used else 1
+        nh = H_ if "h" in used else 1
+        full = torch.zeros(nb, nh, n_q, n_kv, dtype=torch.bool)
+        partial = torch.zeros_like(full)
+        for b in range(nb):
+            for h in range(nh):
+                f, p = _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
+                if p.any():
+                    rf, rp = _refine(mod, p, Q_LEN, KV_LEN, bq, bkv, b, h, device)
+                    f, p = f | rf, rp
+                full[b, h], partial[b, h] = f, p
+    mask = BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN), mod)
+    return mask._broadcast_to(B_, H_)
+
+
+def block_sparse_mask(layout: torch.Tensor, BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, seq_lengths=None) -> BlockMask:
+    """Block-sparse attention from a boolean (B or 1, H or 1, nQ, nKV) layout of blocks.
+
+    Every listed block is attended in full (no element mask); the others are skipped.
+    """
+    if layout.dtype != torch.bool:
+        raise TypeError(f"layout must be a boolean tensor of blocks, got dtype {layout.dtype}")
+    if layout.dim() == 2:
+        layout = layout[None, None]
+    if layout.dim() != 4:
+        raise ValueError(f"layout must have shape (B or 1, H or 1, nQ, nKV), got {tuple(layout.shape)}")
+    bq, bkv = _pair(BLOCK_SIZE)
+    if seq_lengths is None:
+        seq_lengths = (layout.shape[-2] * bq, layout.shape[-1] * bkv)
+    return BlockMask.from_dense_blocks(layout, torch.zeros_like(layout), (bq, bkv), seq_lengths, None)

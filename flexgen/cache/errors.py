@@ -1,0 +1,28 @@
+"""Errors of compilation and of the kernel cache."""
+from __future__ import annotations
+
+
+class FlexgenCompileError(RuntimeError):
+    """Generated code that the CUDA compiler rejected. The message holds the compiler log
+    and the path of the saved source, so the failure can be reproduced by hand."""
+
+    def __init__(self, message: str, log: str = "", source_path: str | None = None):
+        super().__init__(message)
+        self.log = log
+        self.source_path = source_path
+
+
+class KernelNotCachedError(RuntimeError):
+    """FLEXGEN_NO_JIT is set and the requested kernel is not in the cache."""
+
+
+class CompilerUnavailableError(RuntimeError):
+    """The selected compiler backend (NVRTC or nvcc) cannot be found."""
+
+
+class CompilerFailure(Exception):
+    """Internal: a backend's compile failed; carries the log (turned into FlexgenCompileError)."""
+
+    def __init__(self, log: str):
+        super().__init__(log)
+        self.log = log

@@ -1,0 +1,115 @@
+"""Spec -> CompiledKernel: memory cache, then disk cache, then (under a lock) compile.
+
+    hot:  dict lookup keyed by the KernelSpec itself (hash = field hashes; Nodes hash
+          their precomputed digest) -> no file I/O, no hashing of large strings
+    warm: render the source, hash it into the key, read + checksum the entry
+    cold: take the entry's file lock, look again (another process may have just built
+          it), compile, write atomically
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from .. import __version__
+from . import nvcc, nvrtc, paths, store
+from .errors import CompilerFailure, FlexgenCompileError, KernelNotCachedError
+from .kernel import CompiledKernel
+from .lock import FileLock
+from .ptxas import parse_resources
+
+BACKENDS = {"nvrtc": nvrtc, "nvcc": nvcc}
+
+_memory: dict[tuple, CompiledKernel] = {}
+_memory_lock = threading.Lock()
+
+
+def backend(name: str | None = None):
+    return BACKENDS[name or paths.compiler_name()]
+
+
+def get_kernel(spec, template_dir: str | Path | None = None, compiler: str | None = None) -> CompiledKernel:
+    """The compiled kernel for `spec`, from memory, disk, or a fresh compile."""
+    k = (spec, template_dir, compiler)
+    hit = _memory.get(k)
+    if hit is not None:
+        return hit
+    kernel = _load_or_build(spec, template_dir, backend(compiler))
+    with _memory_lock:
+        return _memory.setdefault(k, kernel)
+
+
+def clear_memory() -> None:
+    _memory.clear()
+
+
+def plan(spec, template_dir=None, be=None) -> tuple[str, list[str], str]:
+    """(source, flags, key) of a spec: everything the cache key depends on."""
+    from ..codegen.render import render
+
+    be = be or backend()
+    source = render(spec, template_dir)
+    flags = be.flags(spec)
+    key = store.cache_key(source, be.NAME, be.version(), flags, spec.arch, __version__)
+    return source, flags, key
+
+
+def summary(spec, key: str) -> str:
+    d = spec.describe()
+    text = ", ".join(f"{k}={d[k]}" for k in ("kind", "head_dim", "dtype", "arch"))
+    return f"{text}, score_mod={d['score_mod'] or 'identity'}, mask_mod={d['mask_mod'] or 'none'}, key={key}"
+
+
+def _load_or_build(spec, template_dir, be) -> CompiledKernel:
+    source, flags, key = plan(spec, template_dir, be)
+    entry = store.load(spec.arch, key)
+    if entry is None:
+        if paths.no_jit():
+            raise KernelNotCachedError(
+                f"FLEXGEN_NO_JIT is set and this kernel is not in the cache ({paths.version_dir()}): "
+                f"{summary(spec, key)}. Build it ahead of time with `flexgen build`."
+            )
+        with FileLock(paths.lock_path(spec.arch, key), what=f"compiling {spec.kind} kernel {key[:16]}"):
+            entry = store.load(spec.arch, key)  # another process may have built it while we waited
+            if entry is None:
+                entry = compile_and_store(spec, source, flags, key, be)
+    return CompiledKernel(spec, key, entry.path, source, entry.cubin, entry.meta, be)
+
+
+def compile_and_store(spec, source: str, flags: list[str], key: str, be) -> store.Entry:
+    """Compile (the caller holds the entry's lock) and write the entry."""
+    try:
+        out = be.compile(source, flags, name=f"{spec.entry_name}.cu")
+    except CompilerFailure as e:
+        raise compile_error(spec, key, source, e.log, be) from None
+    return install(spec, key, source, flags, be, out.cubin, out.log, out.seconds)
+
+
+def compile_error(spec, key: str, source: str, log: str, be) -> FlexgenCompileError:
+    saved = store.save_failed(key, source, log)
+    return FlexgenCompileError(
+        f"{be.NAME} could not compile the generated {spec.kind} kernel "
+        f"({summary(spec, key)}).\nSource saved to: {saved}\n--- compiler log ---\n{log.strip()}",
+        log=log, source_path=str(saved),
+    )
+
+
+def install(spec, key, source, flags, be, cubin: bytes, log: str, seconds: float) -> store.Entry:
+    from ..dsl.printer import pretty
+
+    meta = {
+        "flexgen_version": __version__,
+        "spec": spec.describe(),
+        "variant": {
+            "score_mod": pretty(spec.score_expr) if spec.score_expr is not None else None,
+            "mask_mod": pretty(spec.mask_expr) if spec.mask_expr is not None else None,
+        },
+        "entry": spec.entry_name,
+        "compiler": {"name": be.NAME, "version": be.version(), "flags": list(flags)},
+        "compile_seconds": round(seconds, 4),
+        "resources": parse_resources(log, spec.entry_name),
+        "compiler_log": log,
+        "created_unix": time.time(),  # informational only; never used for invalidation
+    }
+    return store.write(spec.arch, key, source, cubin, meta)

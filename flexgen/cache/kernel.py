@@ -1,0 +1,105 @@
+"""CompiledKernel: one cached cubin, and the few lines needed to launch it on a GPU.
+
+Launching goes through the CUDA driver API (via cupy): the cubin is loaded once
+per device, and a launch passes ONE argument, the kernel's params struct, by value.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+from . import store
+
+MAX_STATIC_SHARED = 48 * 1024  # above this, dynamic shared memory must be opted into per function
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class CompiledKernel:
+    def __init__(self, spec, key: str, path: Path, source: str, cubin: bytes, meta: dict, backend):
+        self.spec = spec
+        self.key = key
+        self.path = Path(path)
+        self.source = source
+        self.cubin = cubin
+        self.meta = meta
+        self._backend = backend
+        self._ptx: str | None = None
+        self._functions: dict[int, object] = {}  # device index -> cupy Function (keeps its Module alive)
+        self._smem_opt_in: dict[int, int] = {}  # device index -> dynamic shared bytes allowed so far
+        self._lock = threading.Lock()
+
+    @property
+    def entry_name(self) -> str:
+        return self.spec.entry_name
+
+    @property
+    def resources(self) -> dict:
+        """registers, shared_static_bytes, stack_frame_bytes, spill_stores_bytes, spill_loads_bytes, barriers."""
+        return self.meta["resources"]
+
+    @property
+    def flags(self) -> list[str]:
+        return self.meta["compiler"]["flags"]
+
+    @property
+    def ptx(self) -> str:
+        """PTX of the same source, generated on first use and kept next to the cubin."""
+        if self._ptx is None:
+            f = self.path / store.PTX
+            try:
+                self._ptx = f.read_text()
+            except FileNotFoundError:
+                self._ptx = self._backend.ptx(self.source, self.flags)
+                try:
+                    store.write_atomic(f, self._ptx)
+                except OSError:
+                    pass
+        return self._ptx
+
+    def __repr__(self) -> str:
+        return f"CompiledKernel({self.spec.kind}, {self.spec.arch}, key={self.key[:16]}, path={self.path})"
+
+    # ------------------------------------------------------------ GPU side (needs cupy and a device)
+
+    def function(self, device_index: int | None = None):
+        """The kernel as a cupy Function on the device; the cubin is loaded once per device."""
+        from cupy.cuda import Device, function, runtime
+
+        index = runtime.getDevice() if device_index is None else device_index
+        fn = self._functions.get(index)
+        if fn is None:
+            with self._lock:
+                fn = self._functions.get(index)
+                if fn is None:
+                    with Device(index):
+                        module = function.Module()
+                        module.load(self.cubin)
+                        fn = module.get_function(self.entry_name)
+                    self._functions[index] = fn
+        return fn
+
+    def launch(self, grid, block, shared_mem: int, stream_ptr: int, params) -> None:
+        """Launch on the current device. `params` is the kernel's params struct as a ctypes
+        Structure (or bytes), passed by value as the kernel's single argument."""
+        from cupy.cuda import driver, runtime
+
+        index = runtime.getDevice()
+        fn = self.function(index)
+        if shared_mem > MAX_STATIC_SHARED and self._smem_opt_in.get(index, 0) < shared_mem:
+            driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
+            self._smem_opt_in[index] = int(shared_mem)
+        if isinstance(params, (bytes, bytearray)):
+            params = ctypes.create_string_buffer(bytes(params), len(params))
+        arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # kernelParams: one pointer, to the struct
+        gx, gy, gz = _dim3(grid)
+        bx, by, bz = _dim3(block)
+        driver.launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem), int(stream_ptr),
+                            ctypes.addressof(arg_ptrs), 0)
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    if isinstance(d, int):
+        return d, 1, 1
+    d = tuple(int(x) for x in d)
+    return (d + (1, 1, 1))[:3]

@@ -1,0 +1,36 @@
+"""Tile configurations: (block_m, block_n, num_warps, num_stages) per kernel kind and head dim.
+
+One small table, to be tuned on hardware. A row is (kind, max_head_dim, family); the
+first row whose kind and family match and whose max_head_dim >= head_dim wins;
+family None matches every family.
+"""
+from __future__ import annotations
+
+from ..arch import family
+
+CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+
+# kind, max head_dim, family (None: any) -> block_m, block_n, num_warps, num_stages
+TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
+    ("fwd", 64, None, (128, 64, 4, 2)),
+    ("fwd", 128, None, (128, 64, 4, 2)),
+    ("fwd", 256, None, (64, 64, 4, 2)),
+    ("bwd", 256, None, (64, 64, 4, 2)),
+]
+DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block masks)
+
+
+def choose_config(kind: str, head_dim: int, dtype: str, arch: str, **overrides) -> dict:
+    """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table."""
+    fam = family(arch)
+    chosen = DEFAULT
+    for row_kind, max_d, row_family, values in TABLE:
+        if row_kind == kind and head_dim <= max_d and row_family in (None, fam):
+            chosen = values
+            break
+    cfg = dict(zip(CONFIG_FIELDS, chosen))
+    unknown = set(overrides) - set(CONFIG_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown config field(s) {sorted(unknown)}; config fields are {CONFIG_FIELDS}")
+    cfg.update({k: int(v) for k, v in overrides.items() if v is not None})
+    return cfg

@@ -1,0 +1,507 @@
+"""Lowering: IR expressions -> readable CUDA C++ device functions.
+
+`lower_mods(spec)` returns the C text a template pastes in (see `LoweredMods`):
+
+    struct ModArgs { ... };                        // buffers, strides, scalar params, grads
+    float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args);
+    bool  mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args);
+    float score_mod_bwd(..., float grad_out, const ModArgs& args);   // kind "bwd" only
+
+Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
+Python (small helper functions), floats are float32, int32/int64 are int/long long.
+Float multiplies are written `__fmul_rn(a, b)` so the compiler cannot fuse them
+with an add into an FMA: the result then rounds exactly like torch's float32.
+No CUDA header is needed: 16-bit buffers are read as raw `unsigned short` bits.
+"""
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..dsl.ir import BufferSpec, DType, Node, buffers_of, inputs_of, params_of
+from ..dsl.printer import pretty
+
+CTYPE = {DType.BOOL: "bool", DType.INT32: "int", DType.INT64: "long long", DType.FLOAT32: "float"}
+
+# torch dtype name -> (C element type in memory, how to turn an element expression into the IR value)
+STORAGE = {
+    "float32": ("float", "{}"),
+    "float64": ("double", "(float){}"),
+    "float16": ("unsigned short", "fg_half_to_float({})"),
+    "bfloat16": ("unsigned short", "fg_bf16_to_float({})"),
+    "int64": ("long long", "{}"),
+    "int32": ("int", "{}"),
+    "int16": ("short", "(int){}"),
+    "int8": ("signed char", "(int){}"),
+    "uint8": ("unsigned char", "(int){}"),
+    "bool": ("bool", "{}"),
+}
+_CONVERSION_HELPER = {"float16": "fg_half_to_float", "bfloat16": "fg_bf16_to_float"}
+
+SCORE_SIGNATURE = (
+    "__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args)"
+)
+MASK_SIGNATURE = "__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args)"
+SCORE_BWD_SIGNATURE = (
+    "__device__ __forceinline__ float score_mod_bwd(float score, int b, int h, int q_idx, int kv_idx, "
+    "float grad_out, const ModArgs& args)"
+)
+
+_CPP_KEYWORDS = frozenset(
+    """alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
+    class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
+    decltype default delete do double dynamic_cast else enum explicit export extern false float for friend
+    goto if inline int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private
+    protected public register reinterpret_cast requires return short signed sizeof static static_assert
+    static_cast struct switch template this thread_local throw true try typedef typeid typename union
+    unsigned using virtual void volatile wchar_t while xor xor_eq""".split()
+)
+
+
+class LoweringError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ArgField:
+    """One member of `struct ModArgs`, and where the host gets its value.
+
+    source: ("buffer_ptr", buf) | ("buffer_stride", buf, dim) | ("param", name)
+            | ("grad_ptr", buf) | ("grad_stride", buf, dim) | ("padding",)
+    """
+
+    name: str
+    ctype: str
+    source: tuple
+
+
+@dataclass(frozen=True)
+class LoweredMods:
+    mod_args_decl: str  # helper device functions the variant uses, then `struct ModArgs { ... };`
+    score_mod_fn: str
+    mask_mod_fn: str
+    score_mod_bwd_fn: str  # a comment only, unless spec.kind == "bwd"
+    fields: tuple[ArgField, ...]
+    buffers: tuple[BufferSpec, ...]
+    params: tuple[tuple[str, DType], ...]
+    grad_buffers: tuple[str, ...]
+    helpers: tuple[str, ...]  # names of the helper functions in mod_args_decl
+
+    @property
+    def code(self) -> str:
+        """Everything, in dependency order (for templates that paste one block)."""
+        return "\n\n".join([self.mod_args_decl, self.score_mod_fn, self.mask_mod_fn, self.score_mod_bwd_fn])
+
+
+# ---------------------------------------------------------------- names
+
+
+def c_name(name: str) -> str:
+    """A C identifier for a buffer or parameter name (kept as is when it already is one)."""
+    out = re.sub(r"\W", "_", name)
+    if not out or out[0].isdigit():
+        out = "_" + out
+    if out in _CPP_KEYWORDS or out.startswith("__") or re.match(r"_[A-Z]", out):
+        out = "v_" + out.lstrip("_") if out.startswith("_") else out + "_"
+    return out
+
+
+# ---------------------------------------------------------------- literals
+
+
+def _to_f32(x: float) -> float:
+    """Round a double to float32 (nearest even), overflowing to inf like torch does."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        # beyond float32's range: inf, unless it still rounds down to FLT_MAX
+        return math.copysign(math.inf if abs(x) >= 3.4028235677973366e38 else 3.4028234663852886e38, x)
+
+
+def float_literal(value: float) -> str:
+    """Shortest C literal that parses to the same float32 that torch rounds `value` to."""
+    f = _to_f32(value)
+    if math.isnan(f):
+        return "__uint_as_float(0x7fc00000u)"
+    if math.isinf(f):
+        return "__uint_as_float(0x7f800000u)" if f > 0 else "__uint_as_float(0xff800000u)"
+    shortest = next(float(t) for t in (f"{f:.{p}g}" for p in range(1, 10)) if _to_f32(float(t)) == f)
+    text = repr(shortest).replace("e+", "e")  # 100.0, 0.1, 1e20, 1.5e-05
+    return f"{text}f" if not text.startswith("-") else f"({text}f)"
+
+
+def int_literal(value: int, dtype: DType) -> str:
+    if dtype is DType.INT64:
+        value = (value + 2**63) % 2**64 - 2**63
+        if value == -(2**63):
+            return "(-9223372036854775807LL - 1)"
+        return f"{value}LL" if value >= 0 else f"({value}LL)"
+    value = (value + 2**31) % 2**32 - 2**31
+    if value == -(2**31):
+        return "(-2147483647 - 1)"
+    return str(value) if value >= 0 else f"({value})"
+
+
+# ---------------------------------------------------------------- expressions
+
+
+# exp, log, tanh, sigmoid and division go through fg_* helpers: on the GPU they use the
+# special-function unit (a few ulp, far below bf16/fp16 rounding of P) unless the kernel is
+# built with the `precise_math` option; on the host (tests) they are the libm functions.
+_UNARY_FLOAT_FN = {
+    "exp": "fg_exp", "exp2": "exp2f", "log": "fg_log", "log2": "fg_log2", "sqrt": "sqrtf", "rsqrt": "rsqrtf",
+    "tanh": "fg_tanh", "sigmoid": "fg_sigmoid", "sin": "sinf", "cos": "cosf", "erf": "erff",
+}
+_INFIX = {"add": "+", "sub": "-", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
+          "ne": "!=", "and": "&&", "or": "||", "xor": "!="}
+
+
+def _unparen(text: str) -> str:
+    """Drop one pair of parentheses that encloses the whole expression."""
+    if not (text.startswith("(") and text.endswith(")")):
+        return text
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0 and i < len(text) - 1:
+            return text
+    return text[1:-1]
+
+
+def _call(fn: str, args: list[str]) -> str:
+    return f"{fn}({', '.join(_unparen(x) for x in args)})"
+
+
+class _Body:
+    """Statements for one device function computing several roots that share temporaries.
+
+    A node used more than once (counting every root as one use) gets one named
+    `const` temporary; everything else is inlined into its single user.
+    """
+
+    def __init__(self, roots: list[Node], names: dict[str, str], helpers: set[str]):
+        self.names = names  # buffer / param name -> C member name
+        self.helpers = helpers
+        self.lines: list[str] = []
+        self.expr: dict[str, str] = {}
+        self.temps = 0
+        order: list[Node] = []
+        seen: set[str] = set()
+        uses: dict[str, int] = {}
+        for root in roots:
+            uses[root.digest] = uses.get(root.digest, 0) + 1
+            stack: list[tuple[Node, bool]] = [(root, False)]
+            while stack:  # postorder across all roots, each distinct node once
+                node, expanded = stack.pop()
+                if node.digest in seen:
+                    continue
+                if expanded:
+                    seen.add(node.digest)
+                    order.append(node)
+                    for a in node.args:
+                        uses[a.digest] = uses.get(a.digest, 0) + 1
+                else:
+                    stack.append((node, True))
+                    stack.extend((a, False) for a in reversed(node.args) if a.digest not in seen)
+        for node in order:
+            text = self._format(node, [self.expr[a.digest] for a in node.args])
+            if uses[node.digest] > 1 and node.op not in ("input", "const", "param"):
+                name = f"t{self.temps}"
+                self.temps += 1
+                note = pretty(node)
+                note = f"  // {note}" if len(note) <= 80 and note != _unparen(text) else ""
+                self.lines.append(f"    const {CTYPE[node.dtype]} {name} = {_unparen(text)};{note}")
+                text = name
+            self.expr[node.digest] = text
+
+    def __getitem__(self, node: Node) -> str:
+        return self.expr[node.digest]
+
+    def _helper(self, name: str) -> str:
+        self.helpers.add(name)
+        return name
+
+    def _format(self, n: Node, a: list[str]) -> str:
+        op = n.op
+        if op == "input":
+            return n.attr
+        if op == "const":
+            if n.dtype is DType.BOOL:
+                return "true" if n.attr else "false"
+            if n.dtype is DType.FLOAT32:
+                lit = float_literal(n.attr)
+                return lit
+            return int_literal(n.attr, n.dtype)
+        if op == "param":
+            member = f"args.{self.names[n.attr]}"
+            return f"({member} != 0)" if n.dtype is DType.BOOL else member
+        if op == "load":
+            return self._load(n, a)
+        if op == "cast":
+            return self._cast(n.args[0].dtype, n.dtype, a[0])
+        if op == "where":
+            return f"({a[0]} ? {a[1]} : {a[2]})"
+        is_float = n.args[0].dtype is DType.FLOAT32 if n.args else False
+        if op == "neg":
+            return f"(-{a[0]})"
+        if op == "not":
+            return f"(!{a[0]})"
+        if op == "abs":
+            return _call("fabsf", a) if is_float else _call(self._helper("fg_abs"), a)
+        if op in _UNARY_FLOAT_FN:
+            fn = _UNARY_FLOAT_FN[op]
+            if fn.startswith("fg_"):
+                self._helper(fn)
+            return _call(fn, a)
+        if op == "mul":
+            return _call("__fmul_rn", a) if is_float else f"({a[0]} * {a[1]})"
+        if op == "div":
+            return _call(self._helper("fg_div"), a)
+        if op == "floordiv":
+            return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
+        if op == "mod":
+            return _call(self._helper("fg_fmod_floor" if is_float else "fg_mod"), a)
+        if op == "pow":
+            return _call("powf", a)
+        if op in ("min", "max"):
+            return _call(self._helper("fg_" + op), a)
+        if op in _INFIX:
+            return f"({a[0]} {_INFIX[op]} {a[1]})"
+        raise LoweringError(f"lowering has no rule for IR op {op!r}")
+
+    def _cast(self, src: DType, dst: DType, x: str) -> str:
+        if dst is DType.BOOL:
+            return f"({x} != 0.0f)" if src is DType.FLOAT32 else f"({x} != 0)"
+        return f"({CTYPE[dst]}){x}"
+
+    def _load(self, n: Node, idx: list[str]) -> str:
+        spec: BufferSpec = n.attr
+        member = self.names[spec.name]
+        return _convert(spec, f"args.{member}[{self.index(spec, n.args, idx, member)}]", self.helpers)
+
+    @staticmethod
+    def index(spec: BufferSpec, nodes: tuple[Node, ...], idx: list[str], member: str) -> str:
+        """Element offset: sum of index * stride, in 64-bit so large buffers do not overflow."""
+        if not nodes:
+            return "0"
+        terms = []
+        for d, (node, text) in enumerate(zip(nodes, idx)):
+            wide = text if node.dtype is DType.INT64 else f"(long long){text}"
+            terms.append(f"{wide} * args.{member}_stride{d}")
+        return " + ".join(terms)
+
+
+def _convert(spec: BufferSpec, element: str, helpers: set[str]) -> str:
+    if spec.dtype not in STORAGE:
+        raise LoweringError(
+            f"buffer {spec.name!r} has dtype {spec.dtype}; supported buffer dtypes are {', '.join(STORAGE)}"
+        )
+    if spec.dtype in _CONVERSION_HELPER:
+        helpers.add(_CONVERSION_HELPER[spec.dtype])
+    return STORAGE[spec.dtype][1].format(element)
+
+
+# ---------------------------------------------------------------- helper device functions
+# Emitted only when used. Overloads cover int / long long (and float for min/max).
+
+_INT_TYPES = ("int", "long long")
+_HELPERS = {
+    "fg_floordiv": "// Python/torch floor division: rounds toward -inf, unlike C's `/`.\n" + "\n".join(
+        f"__device__ __forceinline__ {t} fg_floordiv({t} a, {t} b) {{\n"
+        f"    const {t} q = a / b;\n"
+        f"    return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;\n}}" for t in _INT_TYPES),
+    "fg_mod": "// Python/torch remainder: takes the sign of the divisor, unlike C's `%`.\n" + "\n".join(
+        f"__device__ __forceinline__ {t} fg_mod({t} a, {t} b) {{\n"
+        f"    const {t} r = a % b;\n"
+        f"    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;\n}}" for t in _INT_TYPES),
+    "fg_fmod_floor": "// torch.remainder on floats: fmod, moved to the divisor's sign.\n"
+        "__device__ __forceinline__ float fg_fmod_floor(float a, float b) {\n"
+        "    float r = fmodf(a, b);\n"
+        "    if (r != 0.0f && ((r < 0.0f) != (b < 0.0f))) r += b;\n"
+        "    return r;\n}",
+    "fg_abs": "\n".join(f"__device__ __forceinline__ {t} fg_abs({t} a) {{ return a < 0 ? -a : a; }}" for t in _INT_TYPES),
+    "fg_min": "// torch.minimum: NaN wins; otherwise the first operand on ties.\n"
+        "__device__ __forceinline__ float fg_min(float a, float b) { return (a != a || b != b) ? a + b : (b < a ? b : a); }\n"
+        + "\n".join(f"__device__ __forceinline__ {t} fg_min({t} a, {t} b) {{ return b < a ? b : a; }}" for t in _INT_TYPES),
+    "fg_max": "// torch.maximum: NaN wins; otherwise the first operand on ties.\n"
+        "__device__ __forceinline__ float fg_max(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? b : a); }\n"
+        + "\n".join(f"__device__ __forceinline__ {t} fg_max({t} a, {t} b) {{ return a < b ? b : a; }}" for t in _INT_TYPES),
+    "fg_fast": "#if defined(__CUDA_ARCH__) && !defined(FLEXGEN_PRECISE_MATH)\n#define FG_FAST_MATH 1\n#else\n#define FG_FAST_MATH 0\n#endif",
+    "fg_div": "__device__ __forceinline__ float fg_div(float a, float b) {\n#if FG_FAST_MATH\n    return __fdividef(a, b);\n#else\n    return a / b;\n#endif\n}",
+    "fg_exp": "__device__ __forceinline__ float fg_exp(float x) {\n#if FG_FAST_MATH\n    return __expf(x);\n#else\n    return expf(x);\n#endif\n}",
+    "fg_log": "__device__ __forceinline__ float fg_log(float x) {\n#if FG_FAST_MATH\n    return __logf(x);\n#else\n    return logf(x);\n#endif\n}",
+    "fg_log2": "__device__ __forceinline__ float fg_log2(float x) {\n#if FG_FAST_MATH\n    return __log2f(x);\n#else\n    return log2f(x);\n#endif\n}",
+    "fg_tanh": "// Fast path: 1 - 2 / (e^2x + 1), exact at both tails, ~1e-7 absolute error.\n"
+        "__device__ __forceinline__ float fg_tanh(float x) {\n#if FG_FAST_MATH\n    return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f);\n#else\n    return tanhf(x);\n#endif\n}",
+    "fg_sigmoid": "__device__ __forceinline__ float fg_sigmoid(float x) {\n#if FG_FAST_MATH\n    return __fdividef(1.0f, 1.0f + __expf(-x));\n#else\n    return 1.0f / (1.0f + expf(-x));\n#endif\n}",
+    "fg_bf16_to_float": "// bfloat16 is the top half of a float32.\n"
+        "__device__ __forceinline__ float fg_bf16_to_float(unsigned short u) { return __uint_as_float((unsigned int)u << 16); }",
+    "fg_half_to_float": "// IEEE half -> float: one PTX instruction on the GPU, exact bit arithmetic elsewhere.\n"
+        "__device__ __forceinline__ float fg_half_to_float(unsigned short u) {\n"
+        "#ifdef __CUDA_ARCH__\n"
+        "    float f;\n"
+        "    asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(u));\n"
+        "    return f;\n"
+        "#else\n"
+        "    const unsigned int sign = (unsigned int)(u & 0x8000u) << 16, exp = (u >> 10) & 0x1fu, mant = u & 0x3ffu;\n"
+        "    if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in float\n"
+        "        const float mag = (float)mant * 5.9604644775390625e-08f;\n"
+        "        return sign ? -mag : mag;\n"
+        "    }\n"
+        "    const unsigned int bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112u) << 23) | (mant << 13));\n"
+        "    return __uint_as_float(bits);\n"
+        "#endif\n"
+        "}",
+}
+
+
+_NEEDS_FAST_FLAG = ("fg_div", "fg_exp", "fg_log", "fg_log2", "fg_tanh", "fg_sigmoid")
+
+
+def _helper_text(used: set[str]) -> str:
+    if used & set(_NEEDS_FAST_FLAG):
+        used = used | {"fg_fast"}
+    return "\n".join(text for name, text in _HELPERS.items() if name in used)
+
+
+# ---------------------------------------------------------------- functions
+
+
+def _function(signature: str, comment: list[str], body: _Body, result: str) -> str:
+    lines = [f"// {c}" for c in comment] + [signature + " {"] + body.lines + [f"    return {_unparen(result)};", "}"]
+    return "\n".join(lines)
+
+
+def _score_fn(expr: Node | None, names, helpers) -> str:
+    if expr is None:
+        return _function(SCORE_SIGNATURE, ["score_mod: identity"], _Body([], names, helpers), "score")
+    body = _Body([expr], names, helpers)
+    result = body[expr] if expr.dtype is DType.FLOAT32 else f"(float){body[expr]}"
+    return _function(SCORE_SIGNATURE, [f"score_mod: {pretty(expr)}"], body, result)
+
+
+def _mask_fn(expr: Node | None, names, helpers) -> str:
+    if expr is None:
+        return _function(MASK_SIGNATURE, ["mask_mod: none (every position is visible)"], _Body([], names, helpers), "true")
+    body = _Body([expr], names, helpers)
+    return _function(MASK_SIGNATURE, [f"mask_mod: {pretty(expr)}"], body, body[expr])
+
+
+def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers) -> str:
+    if expr is None:
+        return _function(SCORE_BWD_SIGNATURE, ["score_mod_bwd: identity score_mod, d/dscore = 1"],
+                         _Body([], names, helpers), "grad_out")
+    from ..dsl import derivative  # written alongside; imported only when a backward kernel is lowered
+
+    dscore = derivative.grad_score(expr)
+    partials = [(ld, p) for ld, p in derivative.grad_buffers(expr) if ld.attr.name in grad_names]
+    # a grad buffer with no differentiable read (e.g. only compared) simply gets no contributions
+    zero = sorted(set(grad_names) - {ld.attr.name for ld, _ in partials})
+    roots = [dscore]
+    for ld, p in partials:
+        roots.append(p)
+        roots.extend(ld.args)
+    body = _Body(roots, names, helpers)
+    comment = [f"score_mod_bwd of: {pretty(expr)}", f"  d/dscore = {pretty(dscore)}"]
+    comment += [f"  d/d{name}[...] = 0 everywhere (no differentiable read)" for name in zero]
+    for ld, p in partials:
+        spec = ld.attr
+        member = names[spec.name]
+        offset = _Body.index(spec, ld.args, [body[i] for i in ld.args], f"{member}_grad")
+        comment.append(f"  d/d{pretty(ld)} = {pretty(p)}")
+        body.lines.append(f"    atomicAdd(&args.{member}_grad[{offset}], __fmul_rn(grad_out, {_unparen(body[p])}));")
+    return _function(SCORE_BWD_SIGNATURE, comment, body, f"__fmul_rn(grad_out, {_unparen(body[dscore])})")
+
+
+# ---------------------------------------------------------------- the struct
+
+
+def _collect(spec) -> tuple[list[BufferSpec], dict[str, DType]]:
+    bufs: dict[str, BufferSpec] = {}
+    params: dict[str, DType] = {}
+    for expr in (spec.score_expr, spec.mask_expr):
+        if expr is None:
+            continue
+        for b in buffers_of(expr):
+            if bufs.setdefault(b.name, b) != b:
+                raise LoweringError(f"buffer {b.name!r} is read as {bufs[b.name]} and as {b}; one name, one buffer")
+        for name, dt in params_of(expr).items():
+            if params.setdefault(name, dt) is not dt:
+                raise LoweringError(f"parameter {name!r} is used as {params[name].value} and as {dt.value}")
+    return list(bufs.values()), params
+
+
+def _fields(bufs: list[BufferSpec], params: dict[str, DType], grads: tuple[str, ...], names) -> list[ArgField]:
+    fields: list[ArgField] = []
+    for b in bufs:
+        fields.append(ArgField(names[b.name], f"const {STORAGE[b.dtype][0]}*", ("buffer_ptr", b.name)))
+        fields += [ArgField(f"{names[b.name]}_stride{d}", "long long", ("buffer_stride", b.name, d)) for d in range(b.ndim)]
+    for p, dt in params.items():
+        fields.append(ArgField(names[p], "int" if dt is DType.BOOL else CTYPE[dt], ("param", p)))
+    by_name = {b.name: b for b in bufs}
+    for g in grads:
+        fields.append(ArgField(f"{names[g]}_grad", "float*", ("grad_ptr", g)))
+        fields += [ArgField(f"{names[g]}_grad_stride{d}", "long long", ("grad_stride", g, d)) for d in range(by_name[g].ndim)]
+    if not fields:
+        fields.append(ArgField("unused_", "int", ("padding",)))
+    seen: set[str] = set()
+    for f in fields:
+        if f.name in seen:
+            raise LoweringError(f"two ModArgs members would both be named {f.name!r}; rename a buffer or parameter")
+        seen.add(f.name)
+    return fields
+
+
+def _struct(fields: list[ArgField]) -> str:
+    lines = ["// Run-time arguments of the variant: captured buffers (element strides), scalar parameters, gradients.",
+             "struct ModArgs {"]
+    for f in fields:
+        star = f.ctype.endswith("*")
+        restrict = " __restrict__" if star and f.ctype.startswith("const") else ""
+        lines.append(f"    {f.ctype}{restrict} {f.name};")
+    lines.append("};")
+    return "\n".join(lines)
+
+
+@lru_cache(maxsize=1024)
+def lower_mods(spec) -> LoweredMods:
+    """Lower spec.score_expr / spec.mask_expr (and, for kind "bwd", the score_mod derivative).
+    Memoized per spec: the runtime calls this on every launch to pack ModArgs."""
+    if spec.mask_expr is not None and "score" in inputs_of(spec.mask_expr):
+        raise LoweringError(f"mask_mod {pretty(spec.mask_expr)!r} reads `score`; a mask_mod sees only b, h, q_idx, kv_idx")
+    bufs, params = _collect(spec)
+    for b in bufs:
+        if b.dtype not in STORAGE:
+            raise LoweringError(
+                f"buffer {b.name!r} has dtype {b.dtype}; supported buffer dtypes are {', '.join(STORAGE)}"
+            )
+    score_bufs = {b.name: b for b in buffers_of(spec.score_expr)} if spec.score_expr is not None else {}
+    for g in spec.grad_buffers:
+        if g not in score_bufs:
+            raise LoweringError(f"grad_buffers names {g!r}, which score_mod does not read")
+    names = {n: c_name(n) for n in [b.name for b in bufs] + list(params)}
+    fields = _fields(bufs, params, tuple(spec.grad_buffers), names)
+    helpers: set[str] = set()
+    score_fn = _score_fn(spec.score_expr, names, helpers)
+    mask_fn = _mask_fn(spec.mask_expr, names, helpers)
+    if spec.kind == "bwd":
+        bwd_fn = _score_bwd_fn(spec.score_expr, tuple(spec.grad_buffers), names, helpers)
+    else:
+        bwd_fn = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}"
+    precise = "#define FLEXGEN_PRECISE_MATH 1" if spec.option("precise_math") else ""
+    decl = "\n\n".join(filter(None, [precise, _helper_text(helpers), _struct(fields)]))
+    return LoweredMods(
+        mod_args_decl=decl,
+        score_mod_fn=score_fn,
+        mask_mod_fn=mask_fn,
+        score_mod_bwd_fn=bwd_fn,
+        fields=tuple(fields),
+        buffers=tuple(bufs),
+        params=tuple(params.items()),
+        grad_buffers=tuple(spec.grad_buffers),
+        helpers=tuple(sorted(h for h in helpers if h.startswith("fg_"))),
+    )

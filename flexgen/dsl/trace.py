@@ -1,0 +1,942 @@
+"""Symbolic tracing: run a FlexAttention-style Python function on proxies to build IR.
+
+The function is called once with `Proxy` objects standing for score, b, h, q_idx
+and kv_idx. Python operators on proxies, `torch.*` functions (through the
+`__torch_function__` protocol), tensor methods and indexing of captured tensors
+each append IR nodes, so helper functions, closures and nesting work as they
+would under torch. Anything whose value is only known inside the kernel
+(`if`, `bool()`, `.item()`) raises an error that points at the user's line.
+
+The text form (parse.py) evaluates its syntax tree with these same proxies and
+handlers, which is what makes both forms of a variant produce identical IR.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import keyword
+import numbers
+import re
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from . import ir
+from .errors import (
+    ControlFlowError,
+    FlexgenTraceError,
+    FlexgenTypeError,
+    IndexingError,
+    ReturnTypeError,
+    SignatureError,
+    UnsupportedBufferError,
+    UnsupportedOperationError,
+    describe_function,
+    frame_location,
+    source_line,
+    unwrap_function,
+    user_frame,
+)
+from .ir import BufferSpec, DType, Node
+from .mod import MASK_ARGS, SCORE_ARGS, Mod
+
+BUFFER_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+BUFFER_DEVICES = ("cpu", "cuda")
+
+_TORCH_DTYPE_TO_IR = {
+    torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT32, torch.bfloat16: DType.FLOAT32,
+    torch.float64: DType.FLOAT32, torch.int64: DType.INT64, torch.int32: DType.INT32,
+    torch.int16: DType.INT32, torch.int8: DType.INT32, torch.uint8: DType.INT32, torch.bool: DType.BOOL,
+}
+_IR_TO_TORCH_DTYPE = {
+    DType.FLOAT32: torch.float32, DType.INT32: torch.int32, DType.INT64: torch.int64, DType.BOOL: torch.bool,
+}
+
+Value = Any  # Proxy | bool | int | float | torch.Tensor
+
+
+def arg_names(kind: str) -> tuple[str, ...]:
+    return SCORE_ARGS if kind == "score" else MASK_ARGS
+
+
+# ---------------------------------------------------------------- the tracer
+
+
+class Tracer:
+    """State of one trace: the buffers and parameters met so far, and how to report errors."""
+
+    def __init__(self, kind: str, label: str, preferred_names: dict[int, str] | None = None, locate: bool = True):
+        self.kind = kind
+        self.label = label  # e.g. "mask_mod 'natten' (defined at x.py:3)"
+        self.preferred_names = dict(preferred_names or {})  # id(tensor) -> name to give its buffer
+        self.locate = locate  # False for the text form, which reports positions itself
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.params: dict[str, bool | int | float] = {}
+        self._specs: dict[int, BufferSpec] = {}
+        self._auto_names = 0
+        self._inlined_params: dict[tuple[int, str], str] = {}
+        self._keepalive: list[object] = []  # objects whose id() we key on must outlive the trace
+
+    # -- errors
+
+    def error(self, cls: type[FlexgenTraceError], detail: str) -> FlexgenTraceError:
+        location = ""
+        if self.locate:
+            where = frame_location(user_frame())
+            location = f"while tracing {self.label}" + (f"\n{where}" if where else "")
+        return cls(detail, location)
+
+    # -- leaves
+
+    def input(self, name: str) -> "Proxy":
+        return Proxy(self, ir.input_(name))
+
+    def param(self, name: str, value: bool | int | float) -> "Proxy":
+        name = self._fresh_name(name)
+        self.params[name] = value
+        return Proxy(self, ir.param(name, _scalar_dtype(value)))
+
+    def bind(self, name: str, value: Any, specialize: bool) -> Any:
+        """What a keyword binding stands for while tracing: a tensor (a buffer once it is read),
+        a parameter proxy, or (specialize=True) the plain scalar, which bakes in as a constant."""
+        if isinstance(value, torch.Tensor):
+            self.preferred_names[id(value)] = name
+            self._keepalive.append(value)
+            return value
+        scalar = as_scalar(value)
+        if scalar is not None:
+            return scalar if specialize else self.param(name, scalar)
+        return value
+
+    def buffer(self, tensor: torch.Tensor, preferred: str | None = None) -> BufferSpec:
+        """The BufferSpec for a captured tensor; the same tensor object is always one buffer."""
+        spec = self._specs.get(id(tensor))
+        if spec is not None:
+            return spec
+        name = self.preferred_names.get(id(tensor)) or preferred
+        if name is None:
+            name = f"buf{self._auto_names}"
+            self._auto_names += 1
+        name = self._fresh_name(name)
+        self._check_buffer(tensor, name)
+        spec = BufferSpec(name, str(tensor.dtype).removeprefix("torch."), tensor.dim())
+        self._specs[id(tensor)] = spec
+        self.buffers[name] = tensor
+        return spec
+
+    def _check_buffer(self, tensor: torch.Tensor, name: str) -> None:
+        if tensor.dtype not in BUFFER_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in BUFFER_DTYPES)
+            raise self.error(
+                UnsupportedBufferError,
+                f"buffer '{name}' has dtype {str(tensor.dtype).removeprefix('torch.')}, which kernels cannot read; "
+                f"allowed buffer dtypes are: {allowed}",
+            )
+        if tensor.device.type not in BUFFER_DEVICES:
+            raise self.error(
+                UnsupportedBufferError,
+                f"buffer '{name}' is on device '{tensor.device}'; buffers must hold real data on a CPU or CUDA device",
+            )
+        for other_name, other in self.buffers.items():
+            if other.device != tensor.device:
+                raise self.error(
+                    UnsupportedBufferError,
+                    f"buffer '{name}' is on {tensor.device} but buffer '{other_name}' is on {other.device}; "
+                    "all buffers of one mod must be on the same device",
+                )
+
+    def _fresh_name(self, base: str) -> str:
+        base = re.sub(r"\W", "_", base) or "buf"
+        if base[0].isdigit() or keyword.iskeyword(base):
+            base = f"_{base}"
+        taken = set(self.buffers) | set(self.params) | set(SCORE_ARGS)
+        name, n = base, 1
+        while name in taken:
+            name, n = f"{base}_{n}", n + 1
+        return name
+
+    # -- inlining an already traced Mod (calling a Mod on proxies, and_masks, ...)
+
+    def inline(self, mod: Mod, args: tuple[Value, ...]) -> "Proxy":
+        if len(args) != len(mod.arg_names):
+            raise self.error(
+                SignatureError,
+                f"{mod.kind}_mod '{mod.name}' takes ({', '.join(mod.arg_names)}), got {len(args)} argument(s)",
+            )
+        self._keepalive.append(mod)
+        inputs = {name: to_node(self, a) for name, a in zip(mod.arg_names, args)}
+        memo: dict[str, Node] = {}
+        try:
+            for n in ir.postorder(mod.expr):
+                memo[n.digest] = self._rebuild(mod, n, [memo[a.digest] for a in n.args], inputs)
+        except ir.IRTypeError as e:
+            raise self.error(FlexgenTypeError, f"calling {mod.kind}_mod '{mod.name}': {e}") from None
+        return Proxy(self, memo[mod.expr.digest])
+
+    def _rebuild(self, mod: Mod, n: Node, args: list[Node], inputs: dict[str, Node]) -> Node:
+        """Re-apply n's op through the typed constructors, so substituted operands re-promote."""
+        if n.op == "input":
+            return inputs[n.attr]
+        if n.op == "const":
+            return n
+        if n.op == "param":
+            return ir.param(self._inline_param(mod, n.attr), n.dtype)
+        if n.op == "load":
+            return ir.load(self.buffer(mod.buffers[n.attr.name], preferred=n.attr.name), tuple(args))
+        if n.op == "cast":
+            return ir.cast(args[0], n.attr)
+        if n.op == "where":
+            return ir.where(*args)
+        if n.op in ir.UNARY_OPS:
+            return ir.unary(n.op, args[0])
+        return ir.binary(n.op, args[0], args[1])
+
+    def _inline_param(self, mod: Mod, name: str) -> str:
+        # Parameters of different mods never merge, even with equal values: the structure
+        # (and so the hash) must not depend on parameter values.
+        key = (id(mod), name)
+        if key not in self._inlined_params:
+            fresh = self._fresh_name(name)
+            self.params[fresh] = mod.params[name]
+            self._inlined_params[key] = fresh
+        return self._inlined_params[key]
+
+    # -- the result
+
+    def finish(self, result: Value) -> tuple[Node, dict[str, torch.Tensor], dict[str, Any]]:
+        """The traced expression checked against the mod kind, with the buffers and params it uses."""
+        if result is None:
+            what = "the new score" if self.kind == "score" else "a bool mask value"
+            raise ReturnTypeError(f"{self.label} returned None; it must return {what}")
+        if isinstance(result, (tuple, list)):
+            raise ReturnTypeError(f"{self.label} returned a {type(result).__name__}; it must return one value")
+        scalar = as_scalar(result)
+        if self.kind == "score" and scalar is not None and not isinstance(scalar, bool):
+            result = float(scalar)  # a constant score is a float constant, not a cast
+        node = to_node(self, result)
+        if self.kind == "mask" and node.dtype is not DType.BOOL:
+            raise ReturnTypeError(
+                f"{self.label} must return bool (a comparison, or comparisons combined with & | ~), "
+                f"but it returns {node.dtype.value}"
+            )
+        if self.kind == "score":
+            if node.dtype is DType.BOOL:
+                raise ReturnTypeError(
+                    f"{self.label} returns bool, but a score_mod must return the (float) score; "
+                    "a function that returns bool is a mask_mod: use flexgen.mask_mod, or "
+                    "torch.where(cond, score, -float('inf')) to mask inside a score_mod"
+                )
+            node = ir.cast(node, DType.FLOAT32)  # scores are float; an integer result is promoted
+        buffers = {s.name: self.buffers[s.name] for s in ir.buffers_of(node)}
+        params = {name: self.params[name] for name in ir.params_of(node)}
+        return node, buffers, params
+
+
+def as_scalar(value: Any) -> bool | int | float | None:
+    if isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def _scalar_dtype(value: bool | int | float) -> DType:
+    if isinstance(value, bool):
+        return DType.BOOL
+    if isinstance(value, int):
+        return DType.INT32 if -(2**31) <= value < 2**31 else DType.INT64
+    return DType.FLOAT32
+
+
+# ---------------------------------------------------------------- values -> nodes
+
+
+def _scalar_const(value: bool | int | float, like: DType | None) -> Node:
+    """Python scalars are weakly typed, as in torch: an int next to a float value is a float
+    constant, an int next to an int64 value is int64."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if like is DType.FLOAT32:
+            return ir.const(float(value))
+        if like is DType.INT64:
+            return ir.const(value, DType.INT64)
+    return ir.const(value)
+
+
+def to_node(tracer: Tracer, value: Value, like: DType | None = None) -> Node:
+    if isinstance(value, Proxy):
+        if value.tracer is not tracer:
+            raise tracer.error(UnsupportedOperationError, "a traced value from another trace was used here")
+        return value.node
+    if isinstance(value, PartialIndex):
+        raise value.too_few_error()
+    scalar = as_scalar(value)
+    if scalar is not None:
+        return _scalar_const(scalar, like)
+    if isinstance(value, torch.Tensor):
+        spec = tracer.buffer(value)
+        if spec.ndim != 0:
+            raise tracer.error(
+                IndexingError,
+                f"captured tensor '{spec.name}' of shape {tuple(value.shape)} is used as a value; "
+                f"index it with the inputs (e.g. {spec.name}[h] or {spec.name}[q_idx]) to read one element",
+            )
+        return ir.load(spec, ())
+    raise tracer.error(
+        UnsupportedOperationError,
+        f"a value of type {type(value).__name__} cannot be used in a {tracer.kind}_mod; "
+        "use traced inputs, Python numbers and captured tensors",
+    )
+
+
+def _nodes(tracer: Tracer, *values: Value) -> list[Node]:
+    """Operands as nodes; bare Python scalars take the type of the traced operands (torch's rule)."""
+    known = {i: to_node(tracer, v) for i, v in enumerate(values) if as_scalar(v) is None}
+    like = None
+    for node in known.values():
+        like = node.dtype if like is None else ir.promote(like, node.dtype)
+    if like is None and any(isinstance(v, float) for v in values):
+        like = DType.FLOAT32
+    return [known[i] if i in known else to_node(tracer, v, like) for i, v in enumerate(values)]
+
+
+# ---------------------------------------------------------------- handlers
+# Each handler takes the tracer and torch-style arguments and returns a Proxy.
+
+
+def binary(tracer: Tracer, op: str, a: Value, b: Value) -> "Proxy":
+    na, nb = _nodes(tracer, a, b)
+    return Proxy(tracer, ir.binary(op, na, nb))
+
+
+def unary(tracer: Tracer, op: str, x: Value) -> "Proxy":
+    return Proxy(tracer, ir.unary(op, to_node(tracer, x)))
+
+
+def _truthy(tracer: Tracer, x: Value) -> Node:
+    """torch.logical_* treat nonzero as True."""
+    node = to_node(tracer, x)
+    return node if node.dtype is DType.BOOL else ir.binary("ne", node, _scalar_const(0, node.dtype))
+
+
+def logical(tracer: Tracer, op: str, a: Value, b: Value) -> "Proxy":
+    return Proxy(tracer, ir.binary(op, _truthy(tracer, a), _truthy(tracer, b)))
+
+
+def logical_not(tracer: Tracer, x: Value) -> "Proxy":
+    return Proxy(tracer, ir.unary("not", _truthy(tracer, x)))
+
+
+def where(tracer: Tracer, condition: Value, input: Value = None, other: Value = None) -> "Proxy":
+    if input is None or other is None:
+        raise tracer.error(
+            UnsupportedOperationError,
+            "torch.where(condition) with one argument returns indices and is not supported; "
+            "use torch.where(condition, a, b)",
+        )
+    cond = to_node(tracer, condition)
+    a, b = _nodes(tracer, input, other)
+    return Proxy(tracer, ir.where(cond, a, b))
+
+
+def clamp(tracer: Tracer, x: Value, min: Value = None, max: Value = None) -> "Proxy":
+    if min is None and max is None:
+        raise tracer.error(UnsupportedOperationError, "clamp() needs min and/or max")
+    node = to_node(tracer, x)
+    if min is not None:
+        node = ir.binary("max", *_nodes(tracer, Proxy(tracer, node), min))
+    if max is not None:
+        node = ir.binary("min", *_nodes(tracer, Proxy(tracer, node), max))
+    return Proxy(tracer, node)
+
+
+def minmax(tracer: Tracer, op: str, x: Value, other: Value = None, **kwargs: Any) -> "Proxy":
+    other = kwargs.pop("other", other)
+    if other is None or kwargs:
+        raise tracer.error(
+            UnsupportedOperationError,
+            f"torch.{'min' if op == 'min' else 'max'} over one tensor is a reduction, which a mod cannot do; "
+            f"use torch.{op}imum(a, b) for the elementwise {op}imum",
+        )
+    return binary(tracer, op, x, other)
+
+
+def divide(tracer: Tracer, a: Value, b: Value, rounding_mode: str | None = None) -> "Proxy":
+    if rounding_mode is None:
+        return binary(tracer, "div", a, b)
+    if rounding_mode == "floor":
+        return binary(tracer, "floordiv", a, b)
+    raise tracer.error(
+        UnsupportedOperationError,
+        f"division with rounding_mode={rounding_mode!r} is not supported; use rounding_mode='floor' or //",
+    )
+
+
+def add_sub(tracer: Tracer, op: str, a: Value, b: Value, alpha: Value = 1) -> "Proxy":
+    if alpha != 1:
+        b = binary(tracer, "mul", b, alpha)
+    return binary(tracer, op, a, b)
+
+
+def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
+    """`.to(dtype)` / `.to(device)` / `.type(dtype)`: devices are ignored (the kernel decides)."""
+    dtype = kwargs.pop("dtype", None)
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, Proxy):
+            dtype = _IR_TO_TORCH_DTYPE[a.node.dtype]
+    node = to_node(tracer, x)
+    return Proxy(tracer, node if dtype is None else cast(tracer, node, dtype))
+
+
+def cast(tracer: Tracer, node: Node, dtype: torch.dtype) -> Node:
+    if dtype not in _TORCH_DTYPE_TO_IR:
+        raise tracer.error(UnsupportedOperationError, f"casting to {dtype} is not supported")
+    return ir.cast(node, _TORCH_DTYPE_TO_IR[dtype])
+
+
+def constant_like(tracer: Tracer, x: Value, fill: Value, dtype: torch.dtype | None = None, **_: Any) -> "Proxy":
+    """zeros_like / ones_like / full_like / new_ones ...: every element is the fill value."""
+    if dtype is not None and dtype not in _TORCH_DTYPE_TO_IR:
+        raise tracer.error(UnsupportedOperationError, f"dtype {dtype} is not supported in a mod")
+    target = _TORCH_DTYPE_TO_IR[dtype] if dtype is not None else to_node(tracer, x).dtype
+    scalar = as_scalar(fill)
+    if scalar is None:
+        return Proxy(tracer, ir.cast(to_node(tracer, fill), target))
+    return Proxy(tracer, ir.const(scalar, target))
+
+
+def new_constant(tracer: Tracer, x: Value, size: Any, fill: Value, dtype: torch.dtype | None = None, **_: Any):
+    if tuple(size) != ():
+        raise tracer.error(
+            UnsupportedOperationError,
+            f"new tensors of size {tuple(size)} are not supported in a mod; only size () (a scalar)",
+        )
+    return constant_like(tracer, x, fill, dtype)
+
+
+def index(tracer: Tracer, tensor: Value, key: Any) -> "Proxy | PartialIndex":
+    """`tensor[i, j, ...]` with integer index expressions: a load from the tensor's buffer."""
+    if isinstance(tensor, Proxy):
+        raise tracer.error(
+            IndexingError,
+            "a traced value (one of the inputs, or something computed from them) cannot be indexed; "
+            "only tensors captured by the function (or bound by keyword) can",
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise tracer.error(IndexingError, f"cannot index a {type(tensor).__name__} with traced values; use a tensor")
+    spec = tracer.buffer(tensor)
+    return _load(tracer, tensor, spec, (), key)
+
+
+def _load(tracer: Tracer, tensor: torch.Tensor, spec: BufferSpec, done: tuple[Node, ...], key: Any):
+    items = key if isinstance(key, tuple) else (key,)
+    nodes = done + tuple(_index_node(tracer, spec, item) for item in items)
+    if len(nodes) > spec.ndim:
+        raise tracer.error(
+            IndexingError,
+            f"too many indices for buffer '{spec.name}': it has {spec.ndim} dimension(s) "
+            f"(shape {tuple(tensor.shape)}) but is indexed with {len(nodes)}",
+        )
+    if len(nodes) < spec.ndim:
+        return PartialIndex(tracer, tensor, spec, nodes)
+    return Proxy(tracer, ir.load(spec, nodes))
+
+
+def _index_node(tracer: Tracer, spec: BufferSpec, item: Any) -> Node:
+    where_ = f"index into buffer '{spec.name}'"
+    if isinstance(item, Proxy):
+        if item.node.dtype is DType.FLOAT32:
+            raise tracer.error(
+                IndexingError,
+                f"a float value is used as an {where_}; indices must be integers "
+                "(use // instead of /, or cast with .long() / .int())",
+            )
+        if item.node.dtype is DType.BOOL:
+            raise tracer.error(
+                IndexingError, f"a bool value is used as an {where_}; boolean-mask indexing is not supported"
+            )
+        return to_node(tracer, item)
+    if isinstance(item, bool) or item is None or item is Ellipsis or isinstance(item, slice):
+        raise tracer.error(
+            IndexingError,
+            f"{item!r} is not a supported {where_}: slices, None, ... and bools are not supported; "
+            "index every dimension with an integer expression",
+        )
+    if isinstance(item, float):
+        raise tracer.error(IndexingError, f"the float {item!r} is used as an {where_}; indices must be integers")
+    if isinstance(item, int):
+        if item < 0:
+            raise tracer.error(IndexingError, f"negative constant {where_} ({item}) is not supported")
+        return ir.const(item)
+    if isinstance(item, torch.Tensor) and item.dim() == 0 and not item.dtype.is_floating_point:
+        return to_node(tracer, item)
+    raise tracer.error(IndexingError, f"a {type(item).__name__} is not a supported {where_}")
+
+
+# ---------------------------------------------------------------- dispatch tables
+
+
+def _b(op: str) -> Callable:
+    return lambda t, a, b: binary(t, op, a, b)
+
+
+def _rb(op: str) -> Callable:
+    return lambda t, a, b: binary(t, op, b, a)
+
+
+def _u(op: str) -> Callable:
+    return lambda t, x: unary(t, op, x)
+
+
+def _lg(op: str) -> Callable:
+    return lambda t, a, b: logical(t, op, a, b)
+
+
+def _cast_to(dtype: torch.dtype) -> Callable:
+    return lambda t, x, *a, **k: Proxy(t, cast(t, to_node(t, x), dtype))
+
+
+_BINARY_NAMES = {
+    "mul": "mul", "multiply": "mul", "div": "div", "divide": "div", "true_divide": "div",
+    "floor_divide": "floordiv", "remainder": "mod", "pow": "pow", "float_power": "pow",
+    "minimum": "min", "maximum": "max", "fmin": "min", "fmax": "max",
+    "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+    "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
+    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
+}
+_DUNDER_BINARY = {
+    "add": "add", "sub": "sub", "mul": "mul", "truediv": "div", "div": "div", "floordiv": "floordiv",
+    "mod": "mod", "pow": "pow", "and": "and", "or": "or", "xor": "xor",
+    "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne",
+}
+
+# torch.<name>(...) and Tensor.<name>(...) that take the traced value first.
+FUNCTIONS: dict[str, Callable] = {
+    **{name: _b(op) for name, op in _BINARY_NAMES.items()},
+    **{f"__{name}__": _b(op) for name, op in _DUNDER_BINARY.items()},
+    **{f"__r{name}__": _rb(op) for name, op in _DUNDER_BINARY.items()},
+    **{name: _u(name) for name in ir.UNARY_FLOAT_OPS},
+    "add": lambda t, a, b, alpha=1: add_sub(t, "add", a, b, alpha),
+    "sub": lambda t, a, b, alpha=1: add_sub(t, "sub", a, b, alpha),
+    "subtract": lambda t, a, b, alpha=1: add_sub(t, "sub", a, b, alpha),
+    "rsub": lambda t, a, b, alpha=1: add_sub(t, "sub", b, a, alpha),
+    "div": divide, "divide": divide,
+    "abs": _u("abs"), "absolute": _u("abs"), "__abs__": _u("abs"),
+    "neg": _u("neg"), "negative": _u("neg"), "__neg__": _u("neg"),
+    "special_expit": _u("sigmoid"), "expit": _u("sigmoid"),
+    "logical_and": _lg("and"), "logical_or": _lg("or"), "logical_xor": _lg("xor"),
+    "logical_not": logical_not, "bitwise_not": _u("not"), "__invert__": _u("not"),
+    "where": where,
+    "clamp": clamp, "clip": clamp,
+    "clamp_min": lambda t, x, min: clamp(t, x, min=min),
+    "clamp_max": lambda t, x, max: clamp(t, x, max=max),
+    "min": lambda t, x, *a, **k: minmax(t, "min", x, *a, **k),
+    "max": lambda t, x, *a, **k: minmax(t, "max", x, *a, **k),
+    "square": lambda t, x: binary(t, "mul", x, x),
+    "relu": lambda t, x, inplace=False: clamp(t, x, min=0),
+    "reciprocal": lambda t, x: binary(t, "div", 1.0, x),
+    "zeros_like": lambda t, x, dtype=None, **k: constant_like(t, x, 0, dtype),
+    "ones_like": lambda t, x, dtype=None, **k: constant_like(t, x, 1, dtype),
+    "full_like": lambda t, x, fill_value, dtype=None, **k: constant_like(t, x, fill_value, dtype),
+    "__getitem__": index,
+}
+
+# x.<name>(...) on a traced value.
+METHODS: dict[str, Callable] = {
+    **{k: v for k, v in FUNCTIONS.items() if not k.startswith("__") and not k.endswith("_like")},
+    "where": lambda t, x, condition, other: where(t, condition, x, other),
+    "to": to_dtype, "type": to_dtype,
+    "float": _cast_to(torch.float32), "half": _cast_to(torch.float32), "bfloat16": _cast_to(torch.float32),
+    "double": _cast_to(torch.float32), "int": _cast_to(torch.int32), "short": _cast_to(torch.int32),
+    "long": _cast_to(torch.int64), "bool": _cast_to(torch.bool),
+    "new_ones": lambda t, x, size, dtype=None, **k: new_constant(t, x, size, 1, dtype),
+    "new_zeros": lambda t, x, size, dtype=None, **k: new_constant(t, x, size, 0, dtype),
+    "new_full": lambda t, x, size, fill_value, dtype=None, **k: new_constant(t, x, size, fill_value, dtype),
+    "contiguous": lambda t, x, *a, **k: x, "clone": lambda t, x, *a, **k: x, "detach": lambda t, x: x,
+}
+
+# Methods whose result Python needs right away; they cannot be traced.
+_CONCRETE_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def supported_functions() -> str:
+    names = sorted(n for n in FUNCTIONS if not n.startswith("__"))
+    return ", ".join(names)
+
+
+def apply(tracer: Tracer, what: str, handler: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run a handler, turning IR type errors into errors that point at the user's line."""
+    try:
+        return handler(tracer, *args, **kwargs)
+    except ir.IRTypeError as e:
+        raise tracer.error(FlexgenTypeError, f"{what}: {e}") from None
+    except TypeError as e:
+        if isinstance(e, FlexgenTraceError):
+            raise
+        try:  # say "wrong arguments" rather than leak the handler's own signature
+            inspect.signature(handler).bind(tracer, *args, **kwargs)
+        except TypeError as mismatch:
+            raise tracer.error(SignatureError, f"{what}: unsupported arguments ({mismatch})") from None
+        raise
+
+
+def _find_tracer(values: Any) -> Tracer | None:
+    stack = [values]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (Proxy, PartialIndex)):
+            return v.tracer
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return None
+
+
+def _torch_name(func: Callable) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    if hasattr(torch.Tensor, name):
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+def torch_function(func: Callable, args: tuple, kwargs: dict | None) -> Any:
+    """The `__torch_function__` entry: torch.where(proxy, ...), tensor[proxy], tensor + proxy, ..."""
+    kwargs = kwargs or {}
+    tracer = _find_tracer((args, kwargs))
+    name = getattr(func, "__name__", "")
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, PartialIndex) and name != "__getitem__":
+            raise v.too_few_error()
+    handler = METHODS["where"] if func is torch.Tensor.where else FUNCTIONS.get(name)
+    if name in _CONCRETE_METHODS:
+        raise concrete_value_error(tracer, f".{name}()")
+    if handler is None:
+        raise tracer.error(
+            UnsupportedOperationError,
+            f"{_torch_name(func)} is not supported in a {tracer.kind}_mod. "
+            f"Supported torch functions: {supported_functions()}",
+        )
+    return apply(tracer, _torch_name(func), handler, args, kwargs)
+
+
+def concrete_value_error(tracer: Tracer, what: str) -> ControlFlowError:
+    line = source_line(user_frame()) if tracer.locate else ""
+    if what == "bool()":
+        if re.match(r"(if|elif|while|assert)\b", line):
+            kind = f"a Python `{line.split()[0]}`"
+        elif re.search(r"\b(and|or|not)\b", line):
+            kind = "Python `and` / `or` / `not` (or a chained comparison like a < b < c)"
+        else:
+            kind = "bool() (or a chained comparison like a < b < c)"
+        detail = (
+            f"{kind} depends on a traced value, which is only known inside the kernel. "
+            "Use torch.where(cond, a, b) to choose between values, and & | ~ to combine conditions"
+        )
+    elif what == "index":
+        detail = (
+            "a traced value is used as a Python integer (a list/tuple index, range(), or int()); "
+            "keep lookup tables in a torch tensor and index that instead"
+        )
+    elif what == "float":
+        detail = (
+            "a traced value is converted to a Python float (float(), or a math.* function); "
+            "use the torch function instead, e.g. torch.exp rather than math.exp"
+        )
+    else:
+        detail = f"{what} reads a concrete value, but traced values are only known inside the kernel"
+    return tracer.error(ControlFlowError, detail)
+
+
+# ---------------------------------------------------------------- proxies
+
+
+class Proxy:
+    """A traced scalar value: an IR node plus the trace it belongs to."""
+
+    __slots__ = ("tracer", "node")
+
+    def __init__(self, tracer: Tracer, node: Node) -> None:
+        self.tracer = tracer
+        self.node = node
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return torch_function(func, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"Proxy({self.node!r})"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _IR_TO_TORCH_DTYPE[self.node.dtype]
+
+    @property
+    def device(self) -> None:
+        """Unknown until the kernel runs; None is what torch takes as "unspecified"
+        (`b.new_ones((), device=b.device)`, `offsets.to(q_idx.device)` leave things as they are)."""
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in _CONCRETE_METHODS:
+            raise concrete_value_error(self.tracer, f".{name}()")
+        method = METHODS.get(name)
+        if method is None:
+            if hasattr(torch.Tensor, name):
+                raise self.tracer.error(
+                    UnsupportedOperationError,
+                    f"Tensor.{name} is not supported on traced values. Supported methods: "
+                    + ", ".join(sorted(METHODS)),
+                )
+            raise AttributeError(f"traced value has no attribute {name!r}")
+        return lambda *args, **kwargs: apply(self.tracer, f".{name}()", method, (self, *args), kwargs)
+
+    # Python needs a concrete answer for these; traced values have none.
+    def __bool__(self):
+        raise concrete_value_error(self.tracer, "bool()")
+
+    def __index__(self):
+        raise concrete_value_error(self.tracer, "index")
+
+    def __int__(self):
+        raise concrete_value_error(self.tracer, "index")
+
+    def __float__(self):
+        raise concrete_value_error(self.tracer, "float")
+
+    def __len__(self):
+        raise self.tracer.error(UnsupportedOperationError, "traced values are scalars; len() is not defined")
+
+    def __iter__(self):
+        raise self.tracer.error(UnsupportedOperationError, "traced values are scalars and cannot be iterated")
+
+    def __getitem__(self, key):
+        return apply(self.tracer, "indexing", index, (self, key), {})
+
+    def __pos__(self):
+        return self
+
+    __hash__ = None  # == builds an expression, so proxies cannot be dict keys
+
+
+_SYMBOLS = {
+    "add": "+", "sub": "-", "mul": "*", "truediv": "/", "div": "/", "floordiv": "//", "mod": "%", "pow": "**",
+    "and": "&", "or": "|", "xor": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+}
+
+
+def _operator(name: str, reverse: bool) -> Callable:
+    dunder = f"__r{name}__" if reverse else f"__{name}__"
+    handler = FUNCTIONS[dunder]
+    what = f"operator {_SYMBOLS[name]}"
+
+    def method(self: Proxy, other: Any) -> Any:
+        if isinstance(other, PartialIndex):
+            raise other.too_few_error()
+        return apply(self.tracer, what, handler, (self, other), {})
+
+    method.__name__ = dunder
+    return method
+
+
+for _name in _DUNDER_BINARY:
+    setattr(Proxy, f"__{_name}__", _operator(_name, reverse=False))
+    if _name not in ("lt", "le", "gt", "ge", "eq", "ne"):  # comparisons reflect on their own
+        setattr(Proxy, f"__r{_name}__", _operator(_name, reverse=True))
+for _name, _op, _what in (("neg", "neg", "unary -"), ("abs", "abs", "abs()"), ("invert", "not", "operator ~")):
+    setattr(Proxy, f"__{_name}__", (lambda op, what: lambda self: apply(self.tracer, what, _u(op), (self,), {}))(_op, _what))
+
+
+class PartialIndex:
+    """A buffer indexed in fewer dimensions than it has (`table[h]` of a 2-D table): it must
+    be indexed further before it is a value."""
+
+    __slots__ = ("tracer", "tensor", "spec", "nodes")
+
+    def __init__(self, tracer: Tracer, tensor: torch.Tensor, spec: BufferSpec, nodes: tuple[Node, ...]):
+        self.tracer, self.tensor, self.spec, self.nodes = tracer, tensor, spec, nodes
+
+    def __getitem__(self, key: Any):
+        return _load(self.tracer, self.tensor, self.spec, self.nodes, key)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return torch_function(func, args, kwargs)
+
+    def too_few_error(self) -> IndexingError:
+        return self.tracer.error(
+            IndexingError,
+            f"buffer '{self.spec.name}' has {self.spec.ndim} dimensions but is used after indexing only "
+            f"{len(self.nodes)}; index every dimension (e.g. {self.spec.name}[h, q_idx])",
+        )
+
+    def _fail(self, *args: Any) -> Any:
+        raise self.too_few_error()
+
+    __bool__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _fail
+    __rtruediv__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = __and__ = __or__ = __neg__ = _fail
+    __hash__ = None
+
+
+# ---------------------------------------------------------------- tracing Python functions
+
+
+def trace_function(
+    fn: Callable, kind: str, *, name: str | None = None, specialize: bool = False, bindings: dict | None = None
+) -> Mod:
+    """Trace a FlexAttention-style Python function into a Mod."""
+    bindings = dict(bindings or {})
+    label = f"{kind}_mod {describe_function(fn)}"
+    _check_signature(fn, kind, bindings, label)
+    tracer = Tracer(kind, label, closure_tensor_names(fn))
+    inputs = [tracer.input(a) for a in arg_names(kind)]
+    kwargs = {k: tracer.bind(k, v, specialize) for k, v in bindings.items()}
+    try:
+        result = fn(*inputs, **kwargs)
+    except FlexgenTraceError:
+        raise
+    except Exception as e:  # the user's own error: keep it, say which trace it came from
+        e.add_note(f"(raised while flexgen was tracing {label})")
+        raise
+    expr, buffers, params = tracer.finish(result)
+    return Mod(kind, expr, buffers, params, name=name or function_name(fn), source=_source_of(fn))
+
+
+def function_name(fn: Callable) -> str:
+    inner = unwrap_function(fn)
+    name = getattr(inner, "__name__", None) or type(fn).__name__
+    return "lambda" if name == "<lambda>" else name
+
+
+def _source_of(fn: Callable) -> str:
+    try:
+        return inspect.getsource(unwrap_function(fn)).strip()
+    except (OSError, TypeError):
+        return ""
+
+
+def _check_signature(fn: Callable, kind: str, bindings: dict, label: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without signatures: calling them tells
+    want = arg_names(kind)
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var_positional = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > len(want) or (len(positional) < len(want) and not var_positional):
+        count = len(required) if len(required) > len(want) else len(positional)
+        hint = ""
+        if kind == "score" and count == 4:
+            hint = " It takes 4 arguments, like a mask_mod: use flexgen.mask_mod for it."
+        elif kind == "mask" and count == 5:
+            hint = " It takes 5 arguments, like a score_mod: use flexgen.score_mod for it."
+        raise SignatureError(
+            f"{label} takes {count} positional argument(s) ({', '.join(p.name for p in positional)}), "
+            f"but a {kind}_mod is called with {len(want)}: ({', '.join(want)}).{hint}"
+        )
+    bindable = {p.name for p in positional[len(want):]} | {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    for key in bindings:
+        if key not in bindable and not var_keyword:
+            raise SignatureError(
+                f"binding {key}=... names no keyword parameter of {label}. Bindings fill keyword-only "
+                f"parameters (def f({', '.join(want)}, *, {key}): ...); values the function captures "
+                "in closures need no binding"
+            )
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in bindings:
+            raise SignatureError(
+                f"keyword-only parameter '{p.name}' of {label} has no value; pass it as a binding, "
+                f"e.g. flexgen.{kind}_mod(fn, {p.name}=...)"
+            )
+
+
+def closure_tensor_names(fn: Callable) -> dict[int, str]:
+    """id(tensor) -> the variable name the function (or a helper it reaches) knows it by."""
+    names: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def consider(var: str, value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            names.setdefault(id(value), var)
+        elif isinstance(value, Mod) or isinstance(value, (type, ModuleType)):
+            return
+        elif callable(value):
+            visit(value, depth + 1)
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            for var, value in obj.keywords.items():
+                consider(var, value, depth)
+            visit(obj.func, depth)
+            return
+        owner = getattr(obj, "__self__", None)  # bound method: look at the instance's attributes
+        if owner is not None and not isinstance(owner, ModuleType):
+            for var, value in _attributes(owner):
+                consider(var, value, depth)
+        func = getattr(obj, "__func__", obj)
+        code = getattr(func, "__code__", None)
+        if code is None:
+            if hasattr(type(obj), "__call__") and not isinstance(obj, type):
+                for var, value in _attributes(obj):
+                    consider(var, value, depth)
+                call = getattr(type(obj), "__call__", None)
+                if getattr(call, "__code__", None) is not None:
+                    visit(call, depth)
+            return
+        for var, cell in zip(code.co_freevars, func.__closure__ or ()):
+            try:
+                consider(var, cell.cell_contents, depth)
+            except ValueError:  # empty cell
+                pass
+        for var, value in (getattr(func, "__kwdefaults__", None) or {}).items():
+            consider(var, value, depth)
+        defaults = getattr(func, "__defaults__", None) or ()
+        for var, value in zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults):
+            consider(var, value, depth)
+        module_globals = getattr(func, "__globals__", {})
+        for var in _code_names(code):
+            if var in module_globals:
+                consider(var, module_globals[var], depth)
+
+    visit(fn, 0)
+    return names
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    out = list(getattr(obj, "__dict__", {}).items())
+    for registry in ("_buffers", "_parameters"):  # torch.nn.Module keeps tensors here
+        out.extend((getattr(obj, registry, None) or {}).items())
+    return out
+
+
+def _code_names(code) -> list[str]:
+    """Global names read by a code object and the functions/lambdas defined inside it."""
+    out = list(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            out.extend(_code_names(const))
+    return out
+
+
+def inline_call(mod: Mod, args: tuple) -> "Proxy | None":
+    """A Mod called with proxies (inside a function being traced) splices its IR in; None otherwise."""
+    tracer = _find_tracer(args)
+    return None if tracer is None else tracer.inline(mod, args)

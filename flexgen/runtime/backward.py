@@ -1,0 +1,282 @@
+"""The backward pass: three generated kernels, launched in order on torch's current stream.
+
+1. bwd_preprocess   delta = rowsum(dO * O) (fp32), and zero the fp32 dQ accumulator.
+2. bwd              one CTA per (KV tile, batch, KV head): recompute P, accumulate dK, dV in
+                    registers (summed over the query heads of a GQA group), add dQ partials
+                    into the accumulator, and (through score_mod_bwd) buffer gradients.
+3. bwd_postprocess  dQ = scale * accumulator, in the input dtype.
+
+`BwdParams`, `BwdPreParams` and `BwdPostParams` below mirror the structs of the same names in
+templates/sm80/bwd*.cu.j2 field for field (ModArgs last); tests compare their sizes with the
+kernels' parameter sizes in the PTX.
+
+Deterministic mode (kernel_options={"deterministic": True}): the main kernel runs `splits`
+CTAs per (batch, KV head); CTA x takes KV tiles x, x + splits, ... in order and owns dQ
+partial number x, which only it writes, each element always from the same thread (a plain
+read-add-write, no atomics). The postprocess sums the partials in a fixed order. Cost: fewer
+CTAs in flight (splits is chosen to fill the GPU about twice) and splits x B x H x L x D x 4
+bytes of accumulator. Buffer gradients are added with atomics by score_mod_bwd, so they are
+not available in deterministic mode.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from ..codegen.spec import KernelSpec
+from .forward import LOG2E, _bh_strides
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_longlong
+_i32 = ctypes.c_int
+_f32 = ctypes.c_float
+
+
+def _strides3(prefix: str) -> list[tuple[str, type]]:
+    return [(f"{prefix}_stride_b", _i64), (f"{prefix}_stride_h", _i64), (f"{prefix}_stride_l", _i64)]
+
+
+_BWD_FIELDS = (
+    [("q", _ptr), ("k", _ptr), ("v", _ptr), ("dout", _ptr), ("lse", _ptr), ("delta", _ptr),
+     ("dq_accum", _ptr), ("dk", _ptr), ("dv", _ptr)]
+    + _strides3("q") + _strides3("k") + _strides3("v") + _strides3("do") + _strides3("dk") + _strides3("dv")
+    + [("dq_split_stride", _i64),
+       ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
+       ("scale", _f32), ("scale_log2", _f32),
+       ("q_num_blocks", _ptr), ("q_indices", _ptr), ("full_q_num_blocks", _ptr), ("full_q_indices", _ptr),
+       ("qn_stride_b", _i64), ("qn_stride_h", _i64), ("qn_stride_kv", _i64),
+       ("qi_stride_b", _i64), ("qi_stride_h", _i64), ("qi_stride_kv", _i64),
+       ("fqn_stride_b", _i64), ("fqn_stride_h", _i64), ("fqn_stride_kv", _i64),
+       ("fqi_stride_b", _i64), ("fqi_stride_h", _i64), ("fqi_stride_kv", _i64),
+       ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32), ("num_kv_tiles", _i32)]
+)
+
+_PRE_FIELDS = (
+    [("o", _ptr), ("dout", _ptr), ("delta", _ptr), ("dq_accum", _ptr)]
+    + _strides3("o") + _strides3("do")
+    + [("dq_split_stride", _i64), ("q_len", _i32), ("num_heads", _i32), ("num_splits", _i32)]
+)
+
+_POST_FIELDS = (
+    [("dq_accum", _ptr), ("dq", _ptr)]
+    + _strides3("dq")
+    + [("dq_split_stride", _i64), ("q_len", _i32), ("num_heads", _i32), ("num_splits", _i32), ("scale", _f32)]
+)
+
+
+def _struct(name: str, fields: list, mod_args_type: type) -> type:
+    return type(name, (ctypes.Structure,), {"_fields_": fields + [("mod", mod_args_type)]})
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_params_type(mod_args_type: type) -> type:
+    """The ctypes mirror of BwdParams (templates/sm80/bwd.cu.j2) for one ModArgs layout."""
+    return _struct("BwdParams", _BWD_FIELDS, mod_args_type)
+
+
+@functools.lru_cache(maxsize=None)
+def pre_params_type(mod_args_type: type) -> type:
+    """The ctypes mirror of BwdPreParams (templates/sm80/bwd_preprocess.cu.j2)."""
+    return _struct("BwdPreParams", _PRE_FIELDS, mod_args_type)
+
+
+@functools.lru_cache(maxsize=None)
+def post_params_type(mod_args_type: type) -> type:
+    """The ctypes mirror of BwdPostParams (templates/sm80/bwd_postprocess.cu.j2)."""
+    return _struct("BwdPostParams", _POST_FIELDS, mod_args_type)
+
+
+# ---------------------------------------------------------------- tile configuration
+
+# head_dim -> (block_m = query rows per tile, block_n = key rows per CTA, num_warps). One
+# 16-row key tile per warp; the largest tiles that compile without register spills
+# (sm_80 and sm_90a, ptxas -v): dK and dV of the warp's keys live in registers all along.
+BWD_TILES = {32: (64, 128, 8), 64: (64, 128, 8), 96: (32, 128, 8), 128: (32, 128, 8)}
+PRE_POST_ROWS, PRE_POST_WARPS = 64, 4
+
+# Dynamic shared memory one CTA may use, per target.
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
+
+
+def shared_memory_bytes(spec: KernelSpec) -> int:
+    """Dynamic shared memory of the main backward kernel (layout in bwd.cu.j2: kv_tile_backward)."""
+    d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
+    stages = 2 if spec.num_stages >= 2 else 1
+    halves = 2 * bn * (d + 8) + stages * bm * (d + 8) + bm * (d + 8) + bn * (bm + 8)  # K, V, Q stages, dO, dX^T
+    return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
+
+
+def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None) -> dict:
+    """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles."""
+    if head_dim not in BWD_TILES:
+        raise NotImplementedError(
+            f"flex_attention backward: head dim {head_dim} is not supported yet; backward head dims are {sorted(BWD_TILES)}"
+        )
+    bm, bn, _ = BWD_TILES[head_dim]
+    if mask_block is not None:
+        bq, bkv = mask_block
+        if bq % 16 or bkv % 16:
+            raise ValueError(f"flex_attention backward: block mask BLOCK_SIZE {mask_block} must be a multiple of 16")
+        while bq % bm:
+            bm //= 2
+        while bkv % bn:
+            bn //= 2
+    cfg = {"block_m": bm, "block_n": bn, "num_warps": bn // 16, "num_stages": 2}
+    limit = SMEM_LIMIT.get(arch, 99 * 1024)
+    probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=arch if arch in SMEM_LIMIT else "sm_80", **cfg)
+    if shared_memory_bytes(probe) > limit:
+        cfg["num_stages"] = 1
+    return cfg
+
+
+def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
+    """Deterministic mode: KV-tile CTAs per (batch, KV head), about two waves of the GPU."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, batch * kv_heads))
+    return max(1, min(num_kv_tiles, want))
+
+
+# ---------------------------------------------------------------- the call
+
+
+def _set_mask(p, bm, batch: int, heads: int) -> None:
+    p.has_block_mask = 1
+    p.mask_q_block, p.mask_kv_block = bm.BLOCK_SIZE
+    p.q_num_blocks, p.q_indices = bm.q_num_blocks.data_ptr(), bm.q_indices.data_ptr()
+    p.qn_stride_b, p.qn_stride_h, p.qn_stride_kv = _bh_strides(bm.q_num_blocks, batch, heads)
+    p.qi_stride_b, p.qi_stride_h, p.qi_stride_kv = _bh_strides(bm.q_indices, batch, heads)
+    if bm.full_q_num_blocks is not None:
+        p.full_q_num_blocks, p.full_q_indices = bm.full_q_num_blocks.data_ptr(), bm.full_q_indices.data_ptr()
+        p.fqn_stride_b, p.fqn_stride_h, p.fqn_stride_kv = _bh_strides(bm.full_q_num_blocks, batch, heads)
+        p.fqi_stride_b, p.fqi_stride_h, p.fqi_stride_kv = _bh_strides(bm.full_q_indices, batch, heads)
+
+
+def _int32_lists(bm):
+    """The transposed lists as int32 (what the kernel reads); built if a mask lacks them."""
+    if bm.q_num_blocks is None:
+        from ..blockmask import BlockMask
+
+        bm = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                      bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
+    conv = lambda t: None if t is None else (t if t.dtype == torch.int32 else t.to(torch.int32))  # noqa: E731
+    if any(t is not None and t.dtype != torch.int32 for t in (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)):
+        from dataclasses import replace
+
+        bm = replace(bm, q_num_blocks=conv(bm.q_num_blocks), q_indices=conv(bm.q_indices),
+                     full_q_num_blocks=conv(bm.full_q_num_blocks), full_q_indices=conv(bm.full_q_indices))
+    return bm
+
+
+def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale: float, kernel_options,
+                  needs_input_grad, grad_buffers: tuple[str, ...] = ()):
+    """Gradients of flex_attention: (dq, dk, dv, buffer_grads).
+
+    dq/dk/dv are None where needs_input_grad says so; buffer_grads maps each name in
+    `grad_buffers` (score_mod buffers that require grad) to its gradient, fp32, in the
+    buffer's shape.
+    """
+    from ..attention import _kernel_ready, make_spec
+    from ..cache import get_kernel
+    from ..codegen.cstruct import pack_mod_args
+    from ..codegen.lower import lower_mods
+
+    want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
+    options = dict(kernel_options or {})
+    deterministic = bool(options.get("deterministic", False))
+    grad_buffers = tuple(grad_buffers)
+    if deterministic and grad_buffers:
+        raise NotImplementedError(
+            "flex_attention backward: gradients of score_mod buffers "
+            f"({', '.join(grad_buffers)}) are accumulated with atomics and are not deterministic; "
+            "use kernel_options={'deterministic': False} or detach the buffers"
+        )
+
+    q, k, v = _kernel_ready(query), _kernel_ready(key), _kernel_ready(value)
+    o, do = _kernel_ready(out), _kernel_ready(grad_out.to(query.dtype))
+    lse = lse.contiguous()
+    batch, heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    device = q.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+
+    base = make_spec("bwd", query, score, mask, None)
+    if bm is not None:
+        bm = _int32_lists(bm)
+    tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None)
+    spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, **tiles)
+    pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
+        block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
+    post_spec = pre_spec.with_(kind="bwd_postprocess")
+
+    num_kv_tiles = -(-kv_len // spec.block_n)
+    splits = _num_splits(num_kv_tiles, batch, kv_heads, device) if deterministic else 1
+
+    delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=device)
+    dq_accum = torch.empty(splits, batch, heads, q_len, d, dtype=torch.float32, device=device) if want_dq else None
+    split_stride = batch * heads * q_len * d if splits > 1 else 0
+    dk = torch.empty(batch, kv_heads, kv_len, d, dtype=q.dtype, device=device) if want_dk else None
+    dv = torch.empty(batch, kv_heads, kv_len, d, dtype=q.dtype, device=device) if want_dv else None
+
+    # 1. delta, and a zeroed dQ accumulator
+    pre_kernel = get_kernel(pre_spec)
+    empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
+    pre = pre_params_type(type(empty_args))()
+    pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
+    pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+    pre.o_stride_b, pre.o_stride_h, pre.o_stride_l = o.stride(0), o.stride(1), o.stride(2)
+    pre.do_stride_b, pre.do_stride_h, pre.do_stride_l = do.stride(0), do.stride(1), do.stride(2)
+    pre.dq_split_stride = split_stride
+    pre.q_len, pre.num_heads, pre.num_splits = q_len, heads, splits
+    pre.mod = empty_args
+    rows_grid = (-(-q_len // PRE_POST_ROWS), heads, batch)
+    pre_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, pre)
+
+    # 2. the main kernel
+    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
+    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
+    mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
+    kernel = get_kernel(spec)
+    p = bwd_params_type(type(mod_args))()
+    p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
+    p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
+    p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+    p.dk = dk.data_ptr() if dk is not None else None
+    p.dv = dv.data_ptr() if dv is not None else None
+    p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
+    p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
+    p.v_stride_b, p.v_stride_h, p.v_stride_l = v.stride(0), v.stride(1), v.stride(2)
+    p.do_stride_b, p.do_stride_h, p.do_stride_l = do.stride(0), do.stride(1), do.stride(2)
+    if dk is not None:
+        p.dk_stride_b, p.dk_stride_h, p.dk_stride_l = dk.stride(0), dk.stride(1), dk.stride(2)
+    if dv is not None:
+        p.dv_stride_b, p.dv_stride_h, p.dv_stride_l = dv.stride(0), dv.stride(1), dv.stride(2)
+    p.dq_split_stride = split_stride
+    p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
+    p.scale, p.scale_log2 = scale, scale * LOG2E
+    if bm is not None:
+        _set_mask(p, bm, batch, heads)
+    p.num_kv_tiles = num_kv_tiles
+    p.mod = mod_args
+    grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
+    kernel.launch(grid, (spec.num_warps * 32, 1, 1), shared_memory_bytes(spec), stream, p)
+
+    # 3. dQ in the input dtype
+    dq = None
+    if want_dq:
+        dq = torch.empty(batch, heads, q_len, d, dtype=q.dtype, device=device)
+        post_kernel = get_kernel(post_spec)
+        post = post_params_type(type(empty_args))()
+        post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
+        post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = dq.stride(0), dq.stride(1), dq.stride(2)
+        post.dq_split_stride = split_stride
+        post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
+        post.scale = scale
+        post.mod = empty_args
+        post_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, post)
+    # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
+    # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
+    del delta, dq_accum
+    return dq, dk, dv, buffer_grads

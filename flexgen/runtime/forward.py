@@ -1,0 +1,86 @@
+"""Launch of the generated forward kernel: pack FwdParams, pick the grid, go.
+
+`FwdParams` below mirrors the struct of the same name in templates/sm80/fwd.cu.j2
+field for field; tests compare its size with the kernel's parameter size in the PTX.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from ..codegen.spec import KernelSpec
+
+_ptr = ctypes.c_void_p
+_i64 = ctypes.c_longlong
+_i32 = ctypes.c_int
+_f32 = ctypes.c_float
+
+_FWD_FIELDS = [
+    ("q", _ptr), ("k", _ptr), ("v", _ptr), ("o", _ptr), ("lse", _ptr),
+    ("q_stride_b", _i64), ("q_stride_h", _i64), ("q_stride_l", _i64),
+    ("k_stride_b", _i64), ("k_stride_h", _i64), ("k_stride_l", _i64),
+    ("v_stride_b", _i64), ("v_stride_h", _i64), ("v_stride_l", _i64),
+    ("o_stride_b", _i64), ("o_stride_h", _i64), ("o_stride_l", _i64),
+    ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
+    ("scale", _f32), ("scale_log2", _f32),
+    ("kv_num_blocks", _ptr), ("kv_indices", _ptr), ("full_kv_num_blocks", _ptr), ("full_kv_indices", _ptr),
+    ("kvn_stride_b", _i64), ("kvn_stride_h", _i64), ("kvn_stride_q", _i64),
+    ("kvi_stride_b", _i64), ("kvi_stride_h", _i64), ("kvi_stride_q", _i64),
+    ("fkvn_stride_b", _i64), ("fkvn_stride_h", _i64), ("fkvn_stride_q", _i64),
+    ("fkvi_stride_b", _i64), ("fkvi_stride_h", _i64), ("fkvi_stride_q", _i64),
+    ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32),
+]
+
+LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_params_type(mod_args_type: type) -> type:
+    """The ctypes mirror of FwdParams for one ModArgs layout."""
+    return type("FwdParams", (ctypes.Structure,), {"_fields_": _FWD_FIELDS + [("mod", mod_args_type)]})
+
+
+def shared_memory_bytes(spec: KernelSpec) -> int:
+    return (spec.block_m + 2 * spec.block_n) * (spec.head_dim + 8) * 2
+
+
+def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
+    """Strides of a (B or 1, H or 1, nQ, ...) block-mask tensor; size-1 dims broadcast (stride 0)."""
+    if t is None:
+        return 0, 0, 0
+    sb = t.stride(0) if t.shape[0] == batch and batch > 1 else 0
+    sh = t.stride(1) if t.shape[1] == heads and heads > 1 else 0
+    return sb, sh, t.stride(2)
+
+
+def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale: float, block_mask) -> None:
+    """Run the forward kernel on torch's current stream. Inputs are validated by the caller."""
+    batch, heads, q_len, _ = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    params_type = fwd_params_type(type(mod_args))
+    p = params_type()
+    p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
+    p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
+    p.v_stride_b, p.v_stride_h, p.v_stride_l = v.stride(0), v.stride(1), v.stride(2)
+    p.o_stride_b, p.o_stride_h, p.o_stride_l = out.stride(0), out.stride(1), out.stride(2)
+    p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
+    p.scale, p.scale_log2 = scale, scale * LOG2E
+    if block_mask is not None:
+        p.has_block_mask = 1
+        p.mask_q_block, p.mask_kv_block = block_mask.BLOCK_SIZE
+        p.kv_num_blocks, p.kv_indices = block_mask.kv_num_blocks.data_ptr(), block_mask.kv_indices.data_ptr()
+        p.kvn_stride_b, p.kvn_stride_h, p.kvn_stride_q = _bh_strides(block_mask.kv_num_blocks, batch, heads)
+        p.kvi_stride_b, p.kvi_stride_h, p.kvi_stride_q = _bh_strides(block_mask.kv_indices, batch, heads)
+        if block_mask.full_kv_num_blocks is not None:
+            p.full_kv_num_blocks = block_mask.full_kv_num_blocks.data_ptr()
+            p.full_kv_indices = block_mask.full_kv_indices.data_ptr()
+            p.fkvn_stride_b, p.fkvn_stride_h, p.fkvn_stride_q = _bh_strides(block_mask.full_kv_num_blocks, batch, heads)
+            p.fkvi_stride_b, p.fkvi_stride_h, p.fkvi_stride_q = _bh_strides(block_mask.full_kv_indices, batch, heads)
+    p.mod = mod_args
+    grid = (-(-q_len // spec.block_m), heads, batch)
+    block = (spec.num_warps * 32, 1, 1)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    kernel.launch(grid, block, shared_memory_bytes(spec), stream, p)

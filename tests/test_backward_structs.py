@@ -1,0 +1,127 @@
+"""The three backward kernels render and compile (no GPU needed), without register spills
+at the tile configs the runtime picks, and the host's ctypes mirrors of their params structs
+have exactly the size of the kernel's parameter in the PTX."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from flexgen import variants as V
+from flexgen.cache import jit
+from flexgen.cache.ptxas import has_spills
+from flexgen.codegen.api import make_spec
+from flexgen.codegen.cstruct import pack_mod_args
+from flexgen.codegen.lower import lower_mods
+from flexgen.runtime import backward as bw
+
+HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
+pytestmark = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "flexgen-cache-bwd"))
+    for var in ("FLEXGEN_TEMPLATE_DIR", "FLEXGEN_NO_JIT", "FLEXGEN_COMPILER", "FLEXGEN_ARCH_LIST"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _variants():
+    """name -> (score Mod or None, mask Mod or None, grad_buffers): CPU tensors are fine, nothing runs."""
+    slopes = V.alibi_slopes(4)
+    table = torch.randn(4, 63)
+    return {
+        "none": (None, None, ()),
+        "causal": (None, V.causal, ()),
+        "document": (None, V.document(torch.zeros(64, dtype=torch.int32)), ()),
+        "softcap_causal": (V.softcap(20.0), V.causal, ()),
+        "alibi_learnable": (V.alibi(slopes), V.causal, ("alibi_slopes",)),
+        "relative_bias_learnable": (V.relative_bias(table), None, ("rel_bias",)),
+    }
+
+
+def _param_bytes(ptx: str, entry: str) -> int:
+    """Size of the kernel's single by-value parameter, from `.param .align A .b8 <entry>_param_0[N]`."""
+    m = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{entry}_param_0\[(\d+)\]", ptx)
+    assert m, f"no by-value struct parameter found for {entry} in the PTX"
+    return int(m.group(1))
+
+
+def _mod_args_type(spec, score, mask, grad_buffers):
+    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
+    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    grads = {n: torch.zeros(buffers[n].shape, dtype=torch.float32) for n in grad_buffers}
+    return type(pack_mod_args(lower_mods(spec), buffers, params, grads, check_device=False))
+
+
+def _bwd_spec(score, mask, grad_buffers, head_dim, dtype, arch, deterministic=False, mask_block=None):
+    tiles = bw.bwd_tiles(head_dim, arch, mask_block)
+    return make_spec("bwd", score, mask, head_dim=head_dim, dtype=dtype, arch=arch, grad_buffers=grad_buffers,
+                     deterministic=deterministic, **tiles)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("name", list(_variants()))
+def test_bwd_struct_size_and_no_spills(name, arch):
+    score, mask, grads = _variants()[name]
+    spec = _bwd_spec(score, mask, grads, 64, "bf16", arch)
+    kernel = jit.get_kernel(spec)
+    assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
+    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+    assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
+    assert ctypes.alignment(params) == 8
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("head_dim", sorted(bw.BWD_TILES))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_bwd_head_dims_compile_without_spills(head_dim, dtype, arch):
+    score, mask, grads = _variants()["softcap_causal"]
+    spec = _bwd_spec(score, mask, grads, head_dim, dtype, arch)
+    kernel = jit.get_kernel(spec)
+    res = kernel.resources
+    assert not has_spills(res), f"D={head_dim} {dtype} {arch} tile {spec.block_m}x{spec.block_n}: {res}"
+    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
+
+
+@pytest.mark.parametrize("mask_block", [(64, 64), (16, 32), (128, 16)])
+def test_bwd_small_mask_blocks_and_deterministic(mask_block):
+    """Tiles shrink to divide the mask's blocks; the deterministic variant compiles too."""
+    score, mask, grads = _variants()["causal"]
+    for det in (False, True):
+        spec = _bwd_spec(score, mask, grads, 128, "bf16", "sm_90a", deterministic=det, mask_block=mask_block)
+        assert mask_block[0] % spec.block_m == 0 and mask_block[1] % spec.block_n == 0
+        kernel = jit.get_kernel(spec)
+        assert not has_spills(kernel.resources), f"{mask_block} det={det}: {kernel.resources}"
+        params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+        assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
+
+
+@pytest.mark.parametrize("kind", ["bwd_preprocess", "bwd_postprocess"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+def test_pre_post_struct_sizes(kind, head_dim):
+    spec = make_spec(kind, None, None, head_dim=head_dim, dtype="fp16", arch="sm_80",
+                     block_m=bw.PRE_POST_ROWS, num_warps=bw.PRE_POST_WARPS)
+    kernel = jit.get_kernel(spec)
+    mod_args = type(pack_mod_args(lower_mods(spec), {}, {}))
+    params = bw.pre_params_type(mod_args) if kind == "bwd_preprocess" else bw.post_params_type(mod_args)
+    assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
+    assert not has_spills(kernel.resources)
+
+
+def test_source_is_readable():
+    """The emitted backward shows the user's expressions and the FlashAttention loop."""
+    score, mask, grads = _variants()["alibi_learnable"]
+    spec = _bwd_spec(score, mask, grads, 64, "bf16", "sm_90a")
+    src = jit.plan(spec)[0]
+    for text in ("score_mod_bwd(x, b, h, q_eval, kv_eval, ds, p.mod)", "mask_mod(b, h, q_eval, kv_eval, p.mod)",
+                 "alibi_slopes_grad", "dV += P^T dO", "dK += dX^T Q", "dQ[m0 : m0 + BLOCK_M] += dX K"):
+        assert text in src
+
+
+def test_unsupported_head_dim_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="head dim 256"):
+        bw.bwd_tiles(256, "sm_90a")

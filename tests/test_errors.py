@@ -1,0 +1,265 @@
+"""Every tracing error: the right class, and a message that says what, where and what instead."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flexgen
+from flexgen.dsl import trace as trace_module
+from flexgen.dsl.errors import (
+    ControlFlowError,
+    FlexgenSyntaxError,
+    FlexgenTraceError,
+    FlexgenTypeError,
+    IndexingError,
+    ReturnTypeError,
+    SignatureError,
+    UnsupportedBufferError,
+    UnsupportedOperationError,
+)
+
+
+def _error(cls, make):
+    with pytest.raises(cls) as info:
+        make()
+    assert isinstance(info.value, FlexgenTraceError)
+    return str(info.value)
+
+
+def _points_at(message: str, fn, line_offset: int) -> None:
+    """The message names the function and the offending line of its source."""
+    code = fn.__code__
+    assert f"'{code.co_name}'" in message
+    assert f'File "{code.co_filename}", line {code.co_firstlineno + line_offset}, in {code.co_name}' in message
+
+
+# ---------------------------------------------------------------- control flow on traced values
+
+
+def test_if_on_traced_value():
+    def branchy(b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:
+            return True
+        return False
+
+    message = _error(ControlFlowError, lambda: flexgen.mask_mod(branchy))
+    assert "Python `if`" in message and "torch.where" in message
+    _points_at(message, branchy, 1)
+    assert "if q_idx > kv_idx:" in message
+
+
+def test_while_on_traced_value():
+    def loop(score, b, h, q_idx, kv_idx):
+        while score > 0:
+            score = score - 1
+        return score
+
+    message = _error(ControlFlowError, lambda: flexgen.score_mod(loop))
+    assert "Python `while`" in message
+    _points_at(message, loop, 1)
+
+
+def test_bool_and_python_and():
+    def explicit(b, h, q_idx, kv_idx):
+        return bool(q_idx > kv_idx)
+
+    def keyword_and(b, h, q_idx, kv_idx):
+        return (q_idx > kv_idx) and (q_idx < 10)
+
+    assert "bool()" in _error(ControlFlowError, lambda: flexgen.mask_mod(explicit))
+    message = _error(ControlFlowError, lambda: flexgen.mask_mod(keyword_and))
+    assert "`and` / `or` / `not`" in message and "& | ~" in message
+
+
+def test_item():
+    def item(score, b, h, q_idx, kv_idx):
+        return score + h.item()
+
+    message = _error(ControlFlowError, lambda: flexgen.score_mod(item))
+    assert ".item()" in message
+    _points_at(message, item, 1)
+
+
+def test_python_int_and_float_conversions():
+    def list_lookup(score, b, h, q_idx, kv_idx):
+        return score + [0.0, 1.0][h]
+
+    def math_call(score, b, h, q_idx, kv_idx):
+        return math.tanh(score)
+
+    assert "list/tuple index" in _error(ControlFlowError, lambda: flexgen.score_mod(list_lookup))
+    assert "torch.exp rather than math.exp" in _error(ControlFlowError, lambda: flexgen.score_mod(math_call))
+
+
+# ---------------------------------------------------------------- unsupported operations
+
+
+def test_unsupported_torch_function_is_named_with_alternatives():
+    def fmod(score, b, h, q_idx, kv_idx):
+        return torch.fmod(score, 2.0)
+
+    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(fmod))
+    assert "torch.fmod is not supported" in message
+    assert "Supported torch functions:" in message and "tanh" in message and "where" in message
+    _points_at(message, fmod, 1)
+
+
+def test_unsupported_tensor_method():
+    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s.cumsum(0)))
+    assert "Tensor.cumsum is not supported" in message and "clamp" in message
+
+
+def test_reductions_and_one_argument_where():
+    assert "reduction" in _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: torch.max(s)))
+    assert "torch.where(condition, a, b)" in _error(
+        UnsupportedOperationError, lambda: flexgen.mask_mod(lambda b, h, q, kv: torch.where(q > kv))
+    )
+
+
+def test_integer_bitwise_is_a_type_error():
+    def bits(b, h, q_idx, kv_idx):
+        return (q_idx & 1) == 0
+
+    message = _error(FlexgenTypeError, lambda: flexgen.mask_mod(bits))
+    assert "operator &" in message and "bool operands" in message
+    _points_at(message, bits, 1)
+
+
+# ---------------------------------------------------------------- signatures and bindings
+
+
+def test_wrong_number_of_arguments():
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def score(score, b, h, q_idx, kv_idx):
+        return score
+
+    message = _error(SignatureError, lambda: flexgen.score_mod(mask))
+    assert "takes 4 positional argument(s)" in message and "use flexgen.mask_mod" in message
+    assert f"{mask.__code__.co_filename}:{mask.__code__.co_firstlineno}" in message
+    assert "use flexgen.score_mod" in _error(SignatureError, lambda: flexgen.mask_mod(score))
+    assert "takes 2" in _error(SignatureError, lambda: flexgen.mask_mod(lambda q, kv: q >= kv))
+
+
+def test_bindings_must_name_keyword_parameters():
+    def softcap(score, b, h, q_idx, kv_idx, *, cap):
+        return cap * torch.tanh(score / cap)
+
+    assert "names no keyword parameter" in _error(SignatureError, lambda: flexgen.score_mod(softcap, cap=1.0, other=2))
+    assert "keyword-only parameter 'cap'" in _error(SignatureError, lambda: flexgen.score_mod(softcap))
+    assert "already traced" in _error(SignatureError, lambda: flexgen.score_mod(flexgen.score_mod(softcap, cap=1.0), cap=2.0))
+    assert "is a mask_mod, not a score_mod" in _error(SignatureError, lambda: flexgen.score_mod(flexgen.variants.causal))
+
+
+# ---------------------------------------------------------------- indexing
+
+
+def test_float_index():
+    table = torch.rand(8)
+
+    def half(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx / 2]
+
+    message = _error(IndexingError, lambda: flexgen.score_mod(half))
+    assert "float value is used as an index into buffer 'table'" in message and "//" in message
+    _points_at(message, half, 1)
+    grid = torch.rand(4, 8)
+    assert "float 1.5" in _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + grid[h, 1.5]))
+
+
+def test_too_many_and_too_few_indices():
+    bias = torch.rand(4, 9)
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + bias[h, q, kv]))
+    assert "too many indices for buffer 'bias'" in message and "(4, 9)" in message
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + bias[h]))
+    assert "has 2 dimensions but is used after indexing only 1" in message
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + bias))
+    assert "used as a value" in message
+
+
+def test_unsupported_index_kinds():
+    table = torch.rand(8)
+    grid = torch.rand(4, 8)
+    assert "slices" in _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + grid[h, :]))
+    assert "Python integer" in _error(ControlFlowError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table[h:]))
+    assert "negative constant" in _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + grid[h, -1]))
+    assert "cannot be indexed" in _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s[h]))
+
+
+# ---------------------------------------------------------------- buffers
+
+
+def test_buffer_dtype():
+    table = torch.zeros(4, dtype=torch.complex64)
+    message = _error(UnsupportedBufferError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table[h].real))
+    assert "buffer 'table' has dtype complex64" in message
+    assert "float32, float16, bfloat16" in message and "bool" in message
+
+
+def test_buffer_device_meta():
+    table = torch.zeros(4, device="meta")
+    message = _error(UnsupportedBufferError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table[h]))
+    assert "on device 'meta'" in message and "CPU or CUDA" in message
+
+
+def test_buffers_on_different_devices(monkeypatch):
+    monkeypatch.setattr(trace_module, "BUFFER_DEVICES", ("cpu", "cuda", "meta"))  # no second real device here
+    a = torch.zeros(4)
+    m = torch.zeros(4, device="meta")
+    message = _error(UnsupportedBufferError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + a[h] + m[h]))
+    assert "same device" in message
+
+
+# ---------------------------------------------------------------- return types
+
+
+def test_mask_must_return_bool():
+    def not_a_mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx
+
+    message = _error(ReturnTypeError, lambda: flexgen.mask_mod(not_a_mask))
+    assert "must return bool" in message and "int32" in message and "'not_a_mask'" in message
+    assert "returned None" in _error(ReturnTypeError, lambda: flexgen.mask_mod(lambda b, h, q, kv: None))
+
+
+def test_score_must_not_return_bool():
+    message = _error(ReturnTypeError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: q >= kv))
+    assert "returns bool" in message and "flexgen.mask_mod" in message
+
+
+def test_combining_a_score_mod_as_mask():
+    with pytest.raises(SignatureError, match="is a score_mod, not a mask_mod"):
+        flexgen.and_masks(flexgen.variants.softcap(2.0))
+
+
+# ---------------------------------------------------------------- text form
+
+
+def test_text_syntax_error_with_caret():
+    with pytest.raises(FlexgenSyntaxError) as info:
+        flexgen.mask_mod("q_idx >= kv_idx and and kv_idx")
+    message = str(info.value)
+    assert "line 1, column 21" in message and "unexpected 'and'" in message
+    source, caret = message.splitlines()[-2:]
+    assert caret.index("^") == source.index("and and") + 4
+
+
+def test_text_unknown_name_and_type_error():
+    with pytest.raises(FlexgenSyntaxError, match="unknown name 'foo'"):
+        flexgen.score_mod("score + foo")
+    with pytest.raises(FlexgenSyntaxError, match="where\\(\\) needs a bool condition"):
+        flexgen.score_mod("where(q_idx, score, 0.0)")
+    with pytest.raises(ReturnTypeError, match="must return bool"):
+        flexgen.mask_mod("q_idx + 1")
+
+
+def test_user_errors_keep_their_type_with_a_note():
+    def broken(score, b, h, q_idx, kv_idx):
+        raise KeyError("mine")
+
+    with pytest.raises(KeyError) as info:
+        flexgen.score_mod(broken)
+    assert any("while flexgen was tracing score_mod 'broken'" in note for note in info.value.__notes__)

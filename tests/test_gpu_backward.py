@@ -1,0 +1,343 @@
+"""Backward pass on the GPU against float64 autograd through flexgen.reference_attention.
+
+The bar for every gradient (dq, dk, dv, and score_mod buffers that require grad): its error
+norm against the float64 gradient is at most twice the error of PyTorch's own low-precision
+math (QK^T, score_mod, softmax and PV in bf16/fp16 with eager autograd) plus 1e-4. No NaN
+anywhere; fully masked rows give zero gradients; deterministic mode is bitwise repeatable.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import flexgen
+from flexgen.dsl.mod import Mod
+
+gpu = pytest.mark.gpu
+DEV = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+EPS = 1e-4
+
+
+def fresh_seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
+
+
+def doc_ids(length: int, n_docs: int = 5) -> torch.Tensor:
+    n_docs = max(1, min(n_docs, length))
+    cuts = torch.randperm(max(length - 1, 1))[: n_docs - 1] + 1
+    ids = torch.zeros(length, dtype=torch.int32)
+    ids[cuts[cuts < length]] = 1
+    return torch.cumsum(ids, 0).to(torch.int32).to(DEV)
+
+
+@dataclass
+class Shape:
+    B: int
+    H: int  # query heads
+    Lq: int
+    Lkv: int
+
+
+def _variant(name: str, s: Shape):
+    """(score Mod, mask, mask uses b/h, names of learnable buffers)."""
+    v = flexgen.variants
+    L = max(s.Lq, s.Lkv)
+    if name == "none":
+        return None, None, False, ()
+    if name == "causal":
+        return None, v.causal, False, ()
+    if name == "sliding_window":
+        return None, v.sliding_window(97), False, ()
+    if name == "document":
+        return None, v.document(doc_ids(L)), False, ()
+    if name == "alibi_causal":
+        return v.alibi(v.alibi_slopes(s.H).to(DEV)), v.causal, False, ()
+    if name == "alibi_causal_learnable":
+        slopes = v.alibi_slopes(s.H).to(DEV).requires_grad_()
+        return v.alibi(slopes), v.causal, False, ("alibi_slopes",)
+    if name == "softcap_causal":
+        return v.softcap(1.5), v.causal, False, ()
+    if name == "relative_bias_learnable":
+        table = (0.5 * torch.randn(s.H, 2 * L - 1, device=DEV)).requires_grad_()
+        return v.relative_bias(table), None, False, ("rel_bias",)
+    if name == "per_head_mask":
+        return None, (lambda b, h, q, kv: (q >= kv) & (q - kv < 48 * (h + 1))), True, ()
+    raise KeyError(name)
+
+
+VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", "alibi_causal_learnable",
+            "softcap_causal", "relative_bias_learnable", "per_head_mask"]
+FP16_VARIANTS = ["none", "causal", "alibi_causal_learnable", "softcap_causal", "document"]
+LENGTHS = [(1, 1), (17, 17), (1000, 1000), (1, 1000), (17, 1000), (1000, 17), (700, 1100)]
+GQA_VARIANTS = ["none", "causal", "alibi_causal_learnable", "document"]
+HEAD_DIMS = [32, 64, 96, 128, 256]
+D0 = 64
+
+
+# ---------------------------------------------------------------- the three computations
+
+
+def _grids(B, H, Lq, Lkv):
+    return (
+        torch.arange(B, device=DEV).view(B, 1, 1, 1),
+        torch.arange(H, device=DEV).view(1, H, 1, 1),
+        torch.arange(Lq, device=DEV).view(1, 1, Lq, 1),
+        torch.arange(Lkv, device=DEV).view(1, 1, 1, Lkv),
+    )
+
+
+def _with_buffers(score: Mod | None, replace: dict) -> Mod | None:
+    if score is None or not replace:
+        return score
+    return Mod(score.kind, score.expr, {**score.buffers, **replace}, score.params, name=score.name)
+
+
+def _mask_fn(mask):
+    if mask is None or isinstance(mask, Mod):
+        return mask
+    return flexgen.mask_mod(mask)
+
+
+def lowp_grads(q, k, v, do, score, mask, scale, learn):
+    """PyTorch's own low-precision math with eager autograd: every op in q.dtype."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    bufs = {n: score.buffers[n].detach().clone().requires_grad_() for n in learn}
+    score = _with_buffers(score, bufs)
+    B, Hq, Lq, _ = q.shape
+    Lkv = k.shape[2]
+    group = Hq // k.shape[1]
+    kk, vv = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if group > 1 else (k, v)
+    b, h, qi, ki = _grids(B, Hq, Lq, Lkv)
+    s = torch.matmul(q, kk.transpose(-1, -2)) * scale
+    if score is not None:
+        s = torch.as_tensor(score(s, b, h, qi, ki)).to(q.dtype).expand(B, Hq, Lq, Lkv)
+    if mask is not None:
+        m = torch.as_tensor(mask(b, h, qi, ki)).to(torch.bool).expand(B, Hq, Lq, Lkv)
+        s = s.masked_fill(~m, float("-inf"))
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    s = torch.where(dead, torch.zeros((), dtype=s.dtype, device=DEV), s)
+    p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
+    torch.matmul(p, vv).backward(do)
+    return [q.grad, k.grad, v.grad] + [bufs[n].grad for n in learn]
+
+
+def reference_grads(q, k, v, do, score, mask, scale, gqa, learn):
+    """float64 autograd through flexgen.reference_attention."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    bufs = {n: score.buffers[n].detach().double().requires_grad_() for n in learn}
+    out = flexgen.reference_attention(q, k, v, score_mod=_with_buffers(score, bufs), mask_mod=mask, scale=scale,
+                                      enable_gqa=gqa)
+    out.backward(do.double())
+    return [q.grad, k.grad, v.grad] + [bufs[n].grad for n in learn]
+
+
+def block_mask_for(mask, uses_bh, s: Shape, **kwargs):
+    if mask is None:
+        return None
+    B, H = (s.B, s.H) if uses_bh else (None, None)
+    return flexgen.create_block_mask(mask, B, H, s.Lq, s.Lkv, device=DEV, **kwargs)
+
+
+def flexgen_grads(q, k, v, do, score, bm, gqa, learn, kernel_options=None, scale=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    for n in learn:
+        score.buffers[n].grad = None
+    out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, scale=scale, enable_gqa=gqa,
+                                 kernel_options=kernel_options)
+    out.backward(do)
+    torch.cuda.synchronize()
+    return [q.grad, k.grad, v.grad] + [score.buffers[n].grad for n in learn]
+
+
+def assert_grads_match(got, ref, base, names, tag):
+    for name, g, r, bl in zip(names, got, ref, base):
+        assert g is not None, f"no gradient for {name}: {tag}"
+        assert g.shape == r.shape, f"{name} has shape {tuple(g.shape)}, expected {tuple(r.shape)}: {tag}"
+        assert not torch.isnan(g).any(), f"NaN in {name}: {tag}"
+        err = (g.double() - r).norm().item()
+        b = (bl.double() - r).norm().item()
+        assert err <= 2 * b + EPS, f"{name} error {err:.3e} > 2 x PyTorch low-precision error {b:.3e} + {EPS}: {tag}"
+
+
+def check_variant(name, s: Shape, D, dtype, gqa_kv_heads=None, kernel_options=None, bm_kwargs=None):
+    seed = fresh_seed()
+    Hkv = gqa_kv_heads or s.H
+    gqa = gqa_kv_heads is not None
+    q = torch.randn(s.B, s.H, s.Lq, D, device=DEV, dtype=dtype)
+    k = torch.randn(s.B, Hkv, s.Lkv, D, device=DEV, dtype=dtype)
+    v = torch.randn(s.B, Hkv, s.Lkv, D, device=DEV, dtype=dtype)
+    do = torch.randn(s.B, s.H, s.Lq, D, device=DEV, dtype=dtype)
+    score, mask, uses_bh, learn = _variant(name, s)
+    mask = _mask_fn(mask)
+    scale = 1.0 / math.sqrt(D)
+    bm = block_mask_for(mask, uses_bh, s, **(bm_kwargs or {}))
+    got = flexgen_grads(q, k, v, do, score, bm, gqa, learn, kernel_options)
+    ref = reference_grads(q, k, v, do, score, mask, scale, gqa, learn)
+    base = lowp_grads(q, k, v, do, score, mask, scale, learn)
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in learn]
+    tag = f"{name} {s} D={D} {dtype} gqa={gqa_kv_heads} options={kernel_options} (seed {seed})"
+    assert_grads_match(got, ref, base, names, tag)
+
+
+# ---------------------------------------------------------------- variants, dtypes
+
+
+@gpu
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_bf16(name):
+    check_variant(name, Shape(2, 4, 1000, 1000), D0, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("name", FP16_VARIANTS)
+def test_variant_fp16(name):
+    check_variant(name, Shape(2, 4, 1000, 1000), D0, torch.float16)
+
+
+@gpu
+@pytest.mark.parametrize("lq,lkv", LENGTHS)
+@pytest.mark.parametrize("name", ["none", "causal", "alibi_causal_learnable"])
+def test_lengths(name, lq, lkv):
+    check_variant(name, Shape(1, 2, lq, lkv), D0, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", GQA_VARIANTS)
+def test_gqa(name, dtype):
+    check_variant(name, Shape(2, 8, 1000, 1000), D0, DTYPES[dtype], gqa_kv_heads=2)
+
+
+@gpu
+def test_gqa_one_kv_head_odd_lengths():
+    check_variant("causal", Shape(1, 8, 333, 1025), 128, torch.bfloat16, gqa_kv_heads=1)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_head_dims(D, dtype):
+    try:
+        check_variant("softcap_causal", Shape(2, 2, 1000, 1000), D, DTYPES[dtype])
+    except (ValueError, NotImplementedError) as e:
+        if re.search(r"not supported|unsupported", str(e), re.I):
+            pytest.skip(f"flexgen reports head dim {D} unsupported: {e}")
+        raise
+
+
+@gpu
+def test_small_mask_blocks():
+    """BLOCK_SIZE 64: the backward picks tiles that divide the mask's blocks."""
+    check_variant("sliding_window", Shape(1, 2, 600, 600), 128, torch.bfloat16, bm_kwargs={"BLOCK_SIZE": 64},
+                  kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+
+
+# ---------------------------------------------------------------- masked rows, partial grads, layouts
+
+
+@gpu
+def test_fully_masked_rows_give_zero_gradients():
+    fresh_seed()
+    q, k, v = (torch.randn(1, 2, 600, D0, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def late_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= 200) & (q_idx >= kv_idx)
+
+    bm = flexgen.create_block_mask(late_causal, None, None, 600, 600, device=DEV)
+    out = flexgen.flex_attention(q, k, v, block_mask=bm)
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert not torch.isnan(t.grad).any()
+    assert (q.grad[:, :, :200] == 0).all()
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+@gpu
+def test_everything_masked():
+    q, k, v = (torch.randn(1, 2, 300, D0, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    bm = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx < 0, None, None, 300, 300, device=DEV)
+    out = flexgen.flex_attention(q, k, v, block_mask=bm)
+    out.sum().backward()  # an expanded (stride-0) grad_out
+    for t in (q, k, v):
+        assert (t.grad == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("which", ["q", "kv", "v", "buffer_only"])
+def test_only_some_inputs_require_grad(which):
+    seed = fresh_seed()
+    s = Shape(1, 4, 500, 500)
+    q = torch.randn(s.B, s.H, s.Lq, D0, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(s.B, s.H, s.Lkv, D0, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    score, mask, _, learn = _variant("alibi_causal_learnable", s)
+    bm = block_mask_for(mask, False, s)
+    req = {"q": (True, False, False), "kv": (False, True, True), "v": (False, False, True), "buffer_only": (False,) * 3}[which]
+    leaves = [t.clone().requires_grad_(r) for t, r in zip((q, k, v), req)]
+    out = flexgen.flex_attention(*leaves, score_mod=score, block_mask=bm)
+    out.backward(do)
+    ref = reference_grads(q, k, v, do, score, mask, 1 / math.sqrt(D0), False, learn)
+    base = lowp_grads(q, k, v, do, score, mask, 1 / math.sqrt(D0), learn)
+    for t, r, rf, bl, name in zip(leaves, req, ref, base, ("dq", "dk", "dv")):
+        if r:
+            assert_grads_match([t.grad], [rf], [bl], [name], f"{which} (seed {seed})")
+        else:
+            assert t.grad is None
+    slopes = score.buffers["alibi_slopes"]
+    assert_grads_match([slopes.grad], ref[3:], base[3:], ["dalibi_slopes"], f"{which} (seed {seed})")
+
+
+@gpu
+def test_strided_inputs_and_grad_out():
+    """(B, L, H, D) tensors seen as (B, H, L, D), and a non-contiguous grad_out."""
+    seed = fresh_seed()
+    B, H, L, D = 2, 4, 500, D0
+    q, k, v, do = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
+    bm = flexgen.create_block_mask(flexgen.variants.causal, None, None, L, L, device=DEV)
+    got = flexgen_grads(q, k, v, do, None, bm, False, ())
+    ref = reference_grads(q, k, v, do, None, flexgen.variants.causal, 1 / math.sqrt(D), False, ())
+    base = lowp_grads(q, k, v, do, None, flexgen.variants.causal, 1 / math.sqrt(D), ())
+    assert_grads_match(got, ref, base, ["dq", "dk", "dv"], f"strided (seed {seed})")
+
+
+# ---------------------------------------------------------------- deterministic mode
+
+
+@gpu
+@pytest.mark.parametrize("name,gqa", [("none", None), ("causal", 2), ("document", None)])
+def test_deterministic_is_bitwise_repeatable(name, gqa):
+    seed = fresh_seed()
+    s = Shape(2, 4, 1000, 900)
+    Hkv = gqa or s.H
+    q = torch.randn(s.B, s.H, s.Lq, D0, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(s.B, Hkv, s.Lkv, D0, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    score, mask, uses_bh, learn = _variant(name, s)
+    bm = block_mask_for(mask, uses_bh, s)
+    opts = {"deterministic": True}
+    first = flexgen_grads(q, k, v, do, score, bm, gqa is not None, learn, opts)
+    for _ in range(3):
+        again = flexgen_grads(q, k, v, do, score, bm, gqa is not None, learn, opts)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), f"deterministic gradients differ between runs (seed {seed})"
+    ref = reference_grads(q, k, v, do, score, mask, 1 / math.sqrt(D0), gqa is not None, learn)
+    base = lowp_grads(q, k, v, do, score, mask, 1 / math.sqrt(D0), learn)
+    assert_grads_match(first, ref, base, ["dq", "dk", "dv"], f"deterministic {name} (seed {seed})")
+
+
+@gpu
+def test_deterministic_with_learnable_buffers_is_a_clear_error():
+    s = Shape(1, 2, 64, 64)
+    score, mask, _, _ = _variant("alibi_causal_learnable", s)
+    q = torch.randn(1, 2, 64, D0, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    out = flexgen.flex_attention(q, q, q, score_mod=score, kernel_options={"deterministic": True})
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        out.sum().backward()

@@ -1,0 +1,585 @@
+"""Lowering: IR -> CUDA C++.
+
+There is no GPU in CI, so the key correctness test compiles the generated device
+functions on the HOST (g++ with `__device__` shims) and compares them, value for
+value, against the reference evaluator on random inputs.
+"""
+from __future__ import annotations
+
+import ctypes
+import random
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from flexgen.codegen.cstruct import ModArgsError, pack_mod_args, struct_class
+from flexgen.codegen.lower import LoweringError, c_name, float_literal, lower_mods
+from flexgen.codegen.spec import KernelSpec
+from flexgen.dsl import ir
+from flexgen.dsl.evaluate import evaluate
+from flexgen.dsl.ir import BufferSpec, DType
+
+GXX = shutil.which("g++")
+needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ is needed to run lowered code on the host")
+
+S, B, H, Q, KV = (ir.input_(n) for n in ("score", "b", "h", "q_idx", "kv_idx"))
+c = ir.const
+bin_ = ir.binary
+un = ir.unary
+N_POINTS = 384
+
+SHIM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
+"""
+
+
+# ---------------------------------------------------------------- the host harness
+
+
+@dataclass
+class Case:
+    kind: str  # "score" | "mask" | "bwd"
+    expr: ir.Node
+    buffers: dict = field(default_factory=dict)  # name -> (base tensor, view of it)
+    params: dict = field(default_factory=dict)
+    exact: bool = True
+    grad_buffers: tuple = ()
+
+
+def _bytes_literal(t: torch.Tensor) -> str:
+    raw = t.contiguous().reshape(-1).view(torch.uint8).tolist()
+    return ", ".join(map(str, raw)) or "0"
+
+
+def _param_literal(v) -> str:
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return repr(float(np.float32(v))) + "f"
+    return f"{v}LL"
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pts = {
+        "b": torch.randint(0, 4, (N_POINTS,), generator=g, dtype=torch.int32),
+        "h": torch.randint(0, 8, (N_POINTS,), generator=g, dtype=torch.int32),
+        "q_idx": torch.randint(0, 300, (N_POINTS,), generator=g, dtype=torch.int32),
+        "kv_idx": torch.randint(0, 300, (N_POINTS,), generator=g, dtype=torch.int32),
+        "score": (torch.randn(N_POINTS, generator=g) * 4).to(torch.float32),
+    }
+    pts["score"][:8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 7.0, -7.0])
+    return pts
+
+
+def run_on_host(cases: list[Case], tmp_path, seed: int = 0):
+    """Compile every case into one C++ program; return, per case, (host results, reference)."""
+    pts = _inputs(seed)
+    src = [SHIM]
+    lowered = []
+    for i, case in enumerate(cases):
+        kind = "bwd" if case.kind == "bwd" else "fwd"
+        spec = KernelSpec(kind=kind, score_expr=case.expr if case.kind != "mask" else None,
+                          mask_expr=case.expr if case.kind == "mask" else None, grad_buffers=case.grad_buffers)
+        low = lower_mods(spec)
+        lowered.append(low)
+        src.append(f"namespace c{i} {{\n{low.code}\n}}  // namespace c{i}")
+        for name, (base, _) in case.buffers.items():
+            src.append(f"alignas(16) static unsigned char c{i}_{name}[] = {{{_bytes_literal(base)}}};")
+        for name in case.grad_buffers:
+            numel = case.buffers[name][1].numel()
+            src.append(f"static float c{i}_{name}_grad[{numel}];")
+    for name, t in pts.items():
+        ct = "unsigned int" if name == "score" else "int"
+        vals = t.view(torch.int32).tolist() if name == "score" else t.tolist()
+        src.append(f"static const {ct} in_{name}[{N_POINTS}] = {{{', '.join(str(v & 0xFFFFFFFF) + 'u' if name == 'score' else str(v) for v in vals)}}};")
+    main = ["int main() {"]
+    for i, (case, low) in enumerate(zip(cases, lowered)):
+        main.append("  {")
+        main.append(f"    c{i}::ModArgs args; std::memset(&args, 0, sizeof args);")
+        for f in low.fields:
+            kind = f.source[0]
+            if kind == "buffer_ptr":
+                base, view = case.buffers[f.source[1]]
+                main.append(f"    args.{f.name} = reinterpret_cast<{f.ctype}>(c{i}_{f.source[1]}) + {view.storage_offset()};")
+            elif kind == "buffer_stride":
+                main.append(f"    args.{f.name} = {case.buffers[f.source[1]][1].stride(f.source[2])};")
+            elif kind == "param":
+                main.append(f"    args.{f.name} = {_param_literal(case.params[f.source[1]])};")
+            elif kind == "grad_ptr":
+                main.append(f"    args.{f.name} = c{i}_{f.source[1]}_grad;")
+            elif kind == "grad_stride":
+                view = case.buffers[f.source[1]][1]
+                stride = torch.empty(view.shape).stride(f.source[2])  # the grad buffer is contiguous
+                main.append(f"    args.{f.name} = {stride};")
+        call = "(__uint_as_float(in_score[i]), in_b[i], in_h[i], in_q_idx[i], in_kv_idx[i]"
+        main.append(f"    for (int i = 0; i < {N_POINTS}; ++i) {{")
+        if case.kind == "score":
+            main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod{call}, args)));')
+        elif case.kind == "mask":
+            main.append(f'      std::printf("%d\\n", (int)c{i}::mask_mod(in_b[i], in_h[i], in_q_idx[i], in_kv_idx[i], args));')
+        else:  # bwd with grad_out = 1 + i / N
+            main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod_bwd{call}, 1.0f + (float)i / {N_POINTS}, args)));')
+        main.append("    }")
+        for name in case.grad_buffers:
+            numel = case.buffers[name][1].numel()
+            main.append(f'    for (int j = 0; j < {numel}; ++j) std::printf("%08x\\n", __float_as_uint(c{i}_{name}_grad[j]));')
+        main.append("  }")
+    main.append("  return 0;\n}")
+    src.append("\n".join(main))
+    cpp = tmp_path / "harness.cpp"
+    cpp.write_text("\n\n".join(src))
+    exe = tmp_path / "harness"
+    proc = subprocess.run([GXX, "-std=c++17", "-O1", "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-w",
+                           "-o", str(exe), str(cpp)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"host compile of lowered code failed ({cpp}):\n{proc.stderr[:6000]}"
+    lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    results = []
+    pos = 0
+    for case in cases:
+        chunk = lines[pos:pos + N_POINTS]
+        pos += N_POINTS
+        if case.kind == "mask":
+            got = torch.tensor([int(x) for x in chunk], dtype=torch.bool)
+        else:
+            got = torch.from_numpy(np.array([int(x, 16) for x in chunk], dtype=np.uint32).view(np.float32))
+        grads = {}
+        for name in case.grad_buffers:
+            numel = case.buffers[name][1].numel()
+            raw = np.array([int(x, 16) for x in lines[pos:pos + numel]], dtype=np.uint32).view(np.float32)
+            grads[name] = torch.from_numpy(raw.copy()).reshape(case.buffers[name][1].shape)
+            pos += numel
+        bufs = {n: v for n, (_, v) in case.buffers.items()}
+        ref = evaluate(case.expr, pts, bufs, case.params, float_dtype=torch.float32)
+        if case.kind == "score":
+            ref = ref.to(torch.float32)
+        results.append((got, ref.expand(N_POINTS) if ref.dim() == 0 else ref, grads, pts))
+    assert pos == len(lines)
+    return results
+
+
+def check(cases, tmp_path, seed=0):
+    for case, (got, ref, _, _) in zip(cases, run_on_host(cases, tmp_path, seed)):
+        if case.kind == "mask" or case.exact:
+            torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{case.kind}_mod {ir.Node.__repr__(case.expr)}: {m}")
+        else:
+            torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-6, equal_nan=True,
+                                       msg=lambda m: f"{case.kind}_mod {ir.Node.__repr__(case.expr)}: {m}")
+
+
+# ---------------------------------------------------------------- buffers of every dtype
+
+
+def _buffer(name: str, dtype: torch.dtype, shape: tuple[int, ...], seed: int, layout: str = "transposed"):
+    """A (base, view) pair: the view is non-contiguous so strides and offsets are exercised."""
+    g = torch.Generator().manual_seed(seed)
+    big = tuple(s + 1 for s in shape)
+    if dtype in (torch.float16, torch.bfloat16):
+        bits = torch.randint(-(2**15), 2**15, big, generator=g, dtype=torch.int16)
+        base = bits.view(dtype)
+    elif dtype.is_floating_point:
+        base = (torch.randn(big, generator=g) * 3).to(dtype)
+    elif dtype is torch.bool:
+        base = torch.rand(big, generator=g) > 0.5
+    else:
+        info = torch.iinfo(dtype)
+        lo, hi = max(info.min, -1000), min(info.max, 1000)
+        base = torch.randint(lo, hi + 1, big, generator=g).to(dtype)
+    view = base[tuple(slice(1, None) for _ in shape)]
+    if layout == "transposed" and len(shape) >= 2:
+        base = base.transpose(0, 1).contiguous()  # storage holds the transpose...
+        view = base.transpose(0, 1)[tuple(slice(1, None) for _ in shape)]  # ...so the view is column-major
+    spec = BufferSpec(name, str(dtype).removeprefix("torch."), len(shape))
+    return spec, (base, view)
+
+
+def _idx(x: ir.Node, size: int) -> ir.Node:
+    return bin_("mod", x, c(size))  # floored mod: always a valid index
+
+
+# ---------------------------------------------------------------- hand-written cases
+
+
+def hand_cases() -> list[Case]:
+    cases: list[Case] = []
+    # integer floor division / modulo with every sign combination (q - kv is often negative)
+    d = bin_("sub", Q, KV)
+    for divisor in (7, -7, 1, -1, 64):
+        cases.append(Case("score", ir.cast(bin_("floordiv", d, c(divisor)), DType.FLOAT32)))
+        cases.append(Case("score", ir.cast(bin_("mod", d, c(divisor)), DType.FLOAT32)))
+    dyn = bin_("sub", H, c(4))  # run-time divisor in -4..3, never 0 after the where
+    dyn = ir.where(bin_("eq", dyn, c(0)), c(3), dyn)
+    cases.append(Case("score", ir.cast(bin_("floordiv", d, dyn), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(bin_("mod", d, dyn), DType.FLOAT32)))
+    d64 = ir.cast(d, DType.INT64)
+    cases.append(Case("score", ir.cast(bin_("floordiv", bin_("mul", d64, c(3_000_000_000)), c(-1_000_000_007)), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(bin_("mod", bin_("mul", d64, c(3_000_000_000)), c(-1_000_000_007)), DType.FLOAT32)))
+    # float floor division / remainder, negative operands
+    cases.append(Case("score", bin_("floordiv", S, c(0.75))))
+    cases.append(Case("score", bin_("mod", S, c(-1.5))))
+    cases.append(Case("score", bin_("mod", bin_("mul", S, c(100.0)), c(3.0))))
+    # casts: float -> int truncates toward zero, int -> bool, bool -> float, int64 wrap to int32
+    cases.append(Case("score", ir.cast(ir.cast(bin_("mul", S, c(10.0)), DType.INT32), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(ir.cast(bin_("mul", S, c(-3.3)), DType.INT64), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(ir.cast(d, DType.BOOL), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(ir.cast(bin_("mul", d64, c(2**40 + 12345)), DType.INT32), DType.FLOAT32)))
+    cases.append(Case("mask", ir.cast(bin_("mod", d, c(3)), DType.BOOL)))
+    QF = ir.cast(Q, DType.FLOAT32)
+    cases.append(Case("mask", ir.cast(bin_("sub", bin_("mul", QF, c(0.25)), c(1.0)), DType.BOOL)))
+    # where / min / max / abs / neg, mixed types
+    cases.append(Case("score", ir.where(bin_("ge", Q, KV), S, c(float("-inf")))))
+    cases.append(Case("score", bin_("min", S, ir.cast(bin_("sub", H, c(3)), DType.FLOAT32))))
+    cases.append(Case("score", bin_("max", un("neg", S), c(-0.5))))
+    cases.append(Case("score", ir.cast(bin_("max", bin_("min", d, c(5)), c(-5)), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(un("abs", d), DType.FLOAT32)))
+    cases.append(Case("score", un("abs", S)))
+    cases.append(Case("score", bin_("add", bin_("mul", S, c(0.1)), bin_("mul", ir.cast(Q, DType.FLOAT32), c(1e-3)))))
+    cases.append(Case("score", bin_("div", S, bin_("add", un("abs", ir.cast(d, DType.FLOAT32)), c(1.0)))))
+    cases.append(Case("score", bin_("sub", S, bin_("mul", bin_("mul", S, S), c(1 / 3)))))
+    cases.append(Case("score", bin_("add", S, c(1e39))))  # rounds to float32 inf, like torch
+    # scalar parameters of each type
+    cases.append(Case("score", bin_("mul", S, ir.param("scale", DType.FLOAT32)), params={"scale": 0.125}))
+    cases.append(Case("mask", bin_("le", bin_("sub", Q, KV), ir.param("window", DType.INT32)), params={"window": 17}))
+    cases.append(Case("mask", bin_("lt", ir.cast(d, DType.INT64), ir.param("w64", DType.INT64)), params={"w64": -20}))
+    cases.append(Case("mask", bin_("or", ir.param("causal", DType.BOOL), bin_("ge", Q, KV)), params={"causal": False}))
+    cases.append(Case("score", ir.where(ir.param("on", DType.BOOL), S, c(0.0)), params={"on": True}))
+    # boolean logic
+    cases.append(Case("mask", bin_("xor", bin_("ge", Q, KV), bin_("eq", bin_("mod", B, c(2)), c(0)))))
+    cases.append(Case("mask", un("not", bin_("and", bin_("gt", QF, c(10.0)), bin_("lt", QF, c(200.0))))))
+    cases.append(Case("mask", bin_("eq", bin_("ge", Q, KV), bin_("ge", H, c(4)))))
+    # transcendental functions (accurate to a few ulp, not bit-exact)
+    for op in ("exp", "exp2", "tanh", "sigmoid", "sin", "cos", "erf"):
+        cases.append(Case("score", un(op, bin_("mul", S, c(0.5))), exact=False))
+    for op in ("log", "log2", "sqrt", "rsqrt"):
+        cases.append(Case("score", un(op, bin_("add", un("abs", S), c(0.25))), exact=False))
+    cases.append(Case("score", bin_("pow", bin_("add", un("abs", S), c(0.5)), c(1.5)), exact=False))
+    cases.append(Case("score", bin_("pow", ir.cast(H, DType.FLOAT32), c(2.0)), exact=False))
+    # a shared subexpression (becomes a temporary) used in several places
+    t = bin_("mul", bin_("sub", Q, KV), c(3))
+    cases.append(Case("score", ir.where(bin_("gt", t, c(0)), bin_("add", S, ir.cast(t, DType.FLOAT32)), ir.cast(bin_("mod", t, c(11)), DType.FLOAT32))))
+    # an integer-valued score_mod (returns int; the kernel casts to float)
+    cases.append(Case("score", bin_("floordiv", Q, c(16))))
+    # buffer loads: every supported dtype, non-contiguous strides, computed indices
+    for k, dt in enumerate((torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                            torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool)):
+        spec, pair = _buffer("buf", dt, (8, 11), seed=k)
+        val = ir.load(spec, (H, _idx(bin_("sub", Q, KV), 11)))
+        if val.dtype is DType.BOOL:
+            cases.append(Case("mask", bin_("and", val, bin_("ge", Q, KV)), buffers={"buf": pair}))
+        else:
+            cases.append(Case("score", bin_("add", S, ir.cast(val, DType.FLOAT32)), buffers={"buf": pair}))
+    # 1-d, 3-d and 0-d buffers, int64 indices, a buffer used twice, two buffers and a mask with loads
+    spec1, pair1 = _buffer("offsets", torch.int64, (4,), seed=20, layout="sliced")
+    spec3, pair3 = _buffer("table", torch.bfloat16, (4, 8, 5), seed=21)
+    spec0 = BufferSpec("alpha", "float32", 0)
+    pair0 = (torch.tensor([1.75]), torch.tensor([1.75])[0])
+    off = ir.load(spec1, (B,))
+    cases.append(Case("score", bin_("add", bin_("mul", S, ir.load(spec0, ())),
+                                    ir.load(spec3, (B, H, _idx(bin_("add", ir.cast(Q, DType.INT64), off), 5)))),
+                      buffers={"offsets": pair1, "table": pair3, "alpha": pair0}))
+    doc, docpair = _buffer("doc", torch.int32, (4, 300), seed=22, layout="sliced")
+    cases.append(Case("mask", bin_("and", bin_("eq", ir.load(doc, (B, Q)), ir.load(doc, (B, KV))), bin_("ge", Q, KV)),
+                      buffers={"doc": docpair}))
+    kw, kwpair = _buffer("float", torch.float32, (8,), seed=23, layout="sliced")  # a C++ keyword as a name
+    cases.append(Case("score", bin_("add", S, ir.load(kw, (H,))), buffers={"float": kwpair}))
+    return cases
+
+
+@needs_gxx
+def test_hand_written_cases_match_evaluator(tmp_path):
+    check(hand_cases(), tmp_path)
+
+
+# ---------------------------------------------------------------- random expressions
+
+
+class RandomExprs:
+    """Random well-typed IR; divisors are kept nonzero and indices in range, as a real variant would."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.buffers: dict = {}
+        self.params: dict = {}
+        self.seed = seed
+
+    def buffer(self, dtype: torch.dtype, shape=(8, 13)):
+        name = f"buf{len(self.buffers)}"
+        spec, pair = _buffer(name, dtype, shape, seed=self.seed * 100 + len(self.buffers))
+        self.buffers[name] = pair
+        return spec
+
+    def int_(self, depth: int) -> ir.Node:
+        r = self.rng
+        if depth <= 0 or r.random() < 0.25:
+            choice = r.randrange(6)
+            if choice < 3:
+                return [B, H, Q, KV][r.randrange(4)]
+            if choice == 3:
+                return c(r.randint(-20, 20))
+            if choice == 4:
+                name = f"p{len(self.params)}"
+                self.params[name] = r.randint(-9, 9)
+                return ir.param(name, DType.INT32)
+            spec = self.buffer(r.choice([torch.int32, torch.int64, torch.int8]))
+            return ir.load(spec, (_idx(self.int_(depth - 1), 8), _idx(self.int_(depth - 1), 13)))
+        op = r.choice(["add", "sub", "mul", "floordiv", "mod", "floordiv", "mod", "min", "max", "neg", "abs", "where", "cast64"])
+        if op in ("neg", "abs"):
+            return un(op, self.int_(depth - 1))
+        if op == "cast64":
+            return ir.cast(self.int_(depth - 1), DType.INT64)
+        if op == "where":
+            return ir.where(self.bool_(depth - 1), self.int_(depth - 1), self.int_(depth - 1))
+        a, b = self.int_(depth - 1), self.int_(depth - 1)
+        if op in ("floordiv", "mod"):
+            b = ir.where(bin_("eq", b, c(0)), c(r.choice([-3, 5])), b)
+        if op == "mul":
+            b = _idx(b, 50)  # keep products well inside float32's exact integers
+        return bin_(op, a, b)
+
+    def float_(self, depth: int) -> ir.Node:
+        r = self.rng
+        if depth <= 0 or r.random() < 0.25:
+            choice = r.randrange(5)
+            if choice == 0:
+                return S
+            if choice == 1:
+                return c(r.choice([0.5, -1.25, 3.0, 0.1, -7.5, 1e-3]))
+            if choice == 2:
+                name = f"p{len(self.params)}"
+                self.params[name] = r.choice([0.125, -2.0, 1.5])
+                return ir.param(name, DType.FLOAT32)
+            if choice == 3:
+                return ir.cast(self.int_(depth - 1), DType.FLOAT32)
+            spec = self.buffer(r.choice([torch.float32, torch.bfloat16, torch.float16]))
+            return ir.load(spec, (_idx(self.int_(depth - 1), 8), _idx(self.int_(depth - 1), 13)))
+        op = r.choice(["add", "sub", "mul", "div", "floordiv", "mod", "min", "max", "neg", "abs", "where"])
+        if op in ("neg", "abs"):
+            return un(op, self.float_(depth - 1))
+        if op == "where":
+            return ir.where(self.bool_(depth - 1), self.float_(depth - 1), self.float_(depth - 1))
+        a, b = self.float_(depth - 1), self.float_(depth - 1)
+        if op in ("div", "floordiv", "mod"):
+            b = bin_("add", un("abs", b), c(0.5))
+        return bin_(op, a, b)
+
+    def bool_(self, depth: int) -> ir.Node:
+        r = self.rng
+        if depth <= 0 or r.random() < 0.3:
+            if r.random() < 0.5:
+                return bin_(r.choice(["lt", "le", "gt", "ge", "eq", "ne"]), self.int_(depth - 1), self.int_(depth - 1))
+            return bin_(r.choice(["lt", "le", "gt", "ge"]), self.float_(depth - 1), self.float_(depth - 1))
+        op = r.choice(["and", "or", "xor", "not"])
+        if op == "not":
+            return un("not", self.bool_(depth - 1))
+        return bin_(op, self.bool_(depth - 1), self.bool_(depth - 1))
+
+
+def random_cases(seed: int, count: int) -> list[Case]:
+    cases = []
+    for i in range(count):
+        gen = RandomExprs(seed * 1000 + i)
+        which = i % 3
+        if which == 0:
+            expr = gen.float_(4)
+            kind = "score"
+        elif which == 1:  # a mask_mod cannot read the score: use a float made from kv_idx instead
+            expr = ir.replace(gen.bool_(3), {S: bin_("mul", ir.cast(KV, DType.FLOAT32), c(0.03125))})
+            kind = "mask"
+        else:
+            expr, kind = ir.cast(gen.int_(4), DType.FLOAT32), "score"
+        cases.append(Case(kind, expr, buffers=gen.buffers, params=gen.params))
+    return cases
+
+
+@needs_gxx
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_expressions_match_evaluator(tmp_path, seed):
+    check(random_cases(seed, 45), tmp_path, seed=seed)
+
+
+# ---------------------------------------------------------------- backward
+
+
+@needs_gxx
+def test_score_mod_bwd_matches_derivative(tmp_path):
+    derivative = pytest.importorskip("flexgen.dsl.derivative")
+    spec, pair = _buffer("bias", torch.float32, (8, 11), seed=40)
+    bias = ir.load(spec, (H, _idx(bin_("sub", Q, KV), 11)))
+    exprs = [
+        bin_("add", bin_("mul", S, ir.param("scale", DType.FLOAT32)), bias),
+        un("tanh", bin_("mul", S, bias)),
+        ir.where(bin_("ge", Q, KV), bin_("mul", S, S), c(float("-inf"))),
+    ]
+    cases = [Case("bwd", e, buffers={"bias": pair} if "bias" in repr(e) else {}, params={"scale": 0.5},
+                  grad_buffers=("bias",) if "bias" in repr(e) else ()) for e in exprs]
+    results = run_on_host(cases, tmp_path)
+    for case, (got, _, grads, pts) in zip(cases, results):
+        bufs = {n: v for n, (_, v) in case.buffers.items()}
+        grad_out = 1.0 + torch.arange(N_POINTS, dtype=torch.float32) / N_POINTS
+        dscore = evaluate(derivative.grad_score(case.expr), pts, bufs, case.params, float_dtype=torch.float32)
+        torch.testing.assert_close(got, (grad_out * dscore).expand(N_POINTS), rtol=1e-5, atol=1e-6, equal_nan=True)
+        for name in case.grad_buffers:
+            # reference: autograd of the float64 evaluation, summed over every point that read an element
+            leaf = bufs[name].to(torch.float64).clone().requires_grad_(True)
+            out = evaluate(case.expr, pts, {**bufs, name: leaf}, case.params, float_dtype=torch.float64)
+            (out * grad_out.to(torch.float64)).sum().backward()
+            torch.testing.assert_close(grads[name].to(torch.float64), leaf.grad, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- text and structure
+
+
+def _spec(score=None, mask=None, **kw):
+    return KernelSpec(score_expr=score, mask_expr=mask, **kw)
+
+
+def test_identity_and_no_mask():
+    low = lower_mods(_spec())
+    assert "return score;" in low.score_mod_fn and "// score_mod: identity" in low.score_mod_fn
+    assert "return true;" in low.mask_mod_fn
+    assert "struct ModArgs {" in low.mod_args_decl and "int unused_;" in low.mod_args_decl  # never empty
+    assert [f.source for f in low.fields] == [("padding",)]
+    assert "score_mod_bwd" in low.score_mod_bwd_fn and "__device__" not in low.score_mod_bwd_fn
+    bwd = lower_mods(_spec(kind="bwd"))
+    assert "return grad_out;" in bwd.score_mod_bwd_fn
+
+
+def test_text_is_readable():
+    t = bin_("sub", Q, KV)
+    expr = ir.where(bin_("ge", t, c(0)), bin_("mul", S, c(0.5)), bin_("add", S, ir.cast(t, DType.FLOAT32)))
+    low = lower_mods(_spec(score=expr))
+    fn = low.score_mod_fn
+    assert fn.splitlines()[0] == "// score_mod: where(q_idx - kv_idx >= 0, score * 0.5, score + float32(q_idx - kv_idx))"
+    assert "const int t0 = q_idx - kv_idx;" in fn  # one temporary for the shared subexpression
+    assert fn.split("\n", 1)[1].count("q_idx - kv_idx") == 1  # computed once, in the temporary
+    assert "__fmul_rn(score, 0.5f)" in fn  # no FMA contraction: rounds like torch
+    assert low.helpers == ()  # no helper needed, none emitted
+
+
+def test_signatures_and_helpers():
+    low = lower_mods(_spec(score=bin_("floordiv", Q, c(3)), mask=bin_("eq", bin_("mod", Q, c(2)), c(0))))
+    assert "__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.score_mod_fn
+    assert "__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.mask_mod_fn
+    assert "return (float)fg_floordiv(q_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
+    assert set(low.helpers) == {"fg_floordiv", "fg_mod"}
+    assert low.mod_args_decl.index("fg_floordiv") < low.mod_args_decl.index("struct ModArgs")
+    assert "#include" not in low.code
+
+
+def test_struct_fields_and_sources():
+    bias = BufferSpec("bias", "bfloat16", 2)
+    doc = BufferSpec("doc", "int32", 1)
+    score = bin_("add", bin_("mul", S, ir.param("scale", DType.FLOAT32)), ir.load(bias, (H, Q)))
+    mask = bin_("and", bin_("eq", ir.load(doc, (Q,)), ir.load(doc, (KV,))), ir.param("causal", DType.BOOL))
+    low = lower_mods(_spec(score=score, mask=mask, grad_buffers=("bias",)))
+    assert [(f.name, f.ctype, f.source) for f in low.fields] == [
+        ("bias", "const unsigned short*", ("buffer_ptr", "bias")),
+        ("bias_stride0", "long long", ("buffer_stride", "bias", 0)),
+        ("bias_stride1", "long long", ("buffer_stride", "bias", 1)),
+        ("doc", "const int*", ("buffer_ptr", "doc")),
+        ("doc_stride0", "long long", ("buffer_stride", "doc", 0)),
+        ("scale", "float", ("param", "scale")),
+        ("causal", "int", ("param", "causal")),
+        ("bias_grad", "float*", ("grad_ptr", "bias")),
+        ("bias_grad_stride0", "long long", ("grad_stride", "bias", 0)),
+        ("bias_grad_stride1", "long long", ("grad_stride", "bias", 1)),
+    ]
+    assert "const unsigned short* __restrict__ bias;" in low.mod_args_decl
+    assert "float* bias_grad;" in low.mod_args_decl
+    assert "(args.causal != 0)" in low.mask_mod_fn
+
+
+def test_lowering_errors():
+    with pytest.raises(LoweringError, match="complex64"):
+        lower_mods(_spec(score=bin_("add", S, ir.load(BufferSpec("z", "complex64", 1), (Q,)))))
+    with pytest.raises(LoweringError, match="grad_buffers"):
+        lower_mods(_spec(score=S, grad_buffers=("nope",)))
+    with pytest.raises(LoweringError, match="one name, one buffer"):
+        a = ir.load(BufferSpec("x", "float32", 1), (Q,))
+        m = bin_("gt", ir.load(BufferSpec("x", "int32", 1), (Q,)), c(0))
+        lower_mods(_spec(score=bin_("add", S, a), mask=m))
+
+
+def test_names_and_literals():
+    assert c_name("bias") == "bias" and c_name("float") == "float_" and c_name("self.table") == "self_table"
+    assert c_name("__x") == "v_x" and c_name("0abc") == "_0abc"
+    assert float_literal(0.1) == "0.1f" and float_literal(-2.5) == "(-2.5f)" and float_literal(3.0) == "3.0f"
+    assert float_literal(float("inf")) == "__uint_as_float(0x7f800000u)"
+    assert float_literal(1 / 3) == "0.33333334f"
+
+
+# ---------------------------------------------------------------- ctypes mirror
+
+
+def _layout_cases():
+    bias = BufferSpec("bias", "bfloat16", 2)
+    score = bin_("add", bin_("mul", S, ir.param("scale", DType.FLOAT32)), ir.load(bias, (H, Q)))
+    mask = bin_("and", bin_("lt", ir.cast(Q, DType.INT64), ir.param("n", DType.INT64)), ir.param("flag", DType.BOOL))
+    m2 = bin_("gt", bin_("add", ir.param("a", DType.INT32), ir.param("c", DType.INT32)), Q)
+    return [_spec(), _spec(score=score, mask=mask, grad_buffers=("bias",)), _spec(mask=m2),
+            _spec(score=bin_("mul", S, ir.param("f", DType.FLOAT32)), mask=mask)]
+
+
+@needs_gxx
+def test_ctypes_layout_matches_cpp(tmp_path):
+    specs = _layout_cases()
+    src = ["#include <cstdio>", "#include <cstddef>"]
+    main = ["int main() {"]
+    for i, spec in enumerate(specs):
+        low = lower_mods(spec)
+        struct = low.mod_args_decl[low.mod_args_decl.index("struct ModArgs"):]
+        src.append(f"namespace c{i} {{\n{struct}\n}}")
+        main.append(f'  std::printf("%zu %zu\\n", sizeof(c{i}::ModArgs), alignof(c{i}::ModArgs));')
+        for f in low.fields:
+            main.append(f'  std::printf("%zu\\n", offsetof(c{i}::ModArgs, {f.name}));')
+    main.append("  return 0;\n}")
+    (tmp_path / "layout.cpp").write_text("\n".join(src + main))
+    subprocess.run([GXX, "-std=c++17", "-o", str(tmp_path / "layout"), str(tmp_path / "layout.cpp")], check=True)
+    out = iter(subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout.split("\n"))
+    for spec in specs:
+        low = lower_mods(spec)
+        cls = struct_class(low.fields)
+        size, align = map(int, next(out).split())
+        assert (size, align) == (ctypes.sizeof(cls), ctypes.alignment(cls))
+        for f in low.fields:
+            assert int(next(out)) == getattr(cls, f.name).offset, f.name
+
+
+def test_pack_mod_args_fills_and_validates():
+    bias = BufferSpec("bias", "bfloat16", 2)
+    score = bin_("add", bin_("mul", S, ir.param("scale", DType.FLOAT32)), ir.load(bias, (H, Q)))
+    mask = bin_("and", bin_("lt", ir.cast(Q, DType.INT64), ir.param("n", DType.INT64)), ir.param("flag", DType.BOOL))
+    low = lower_mods(_spec(score=score, mask=mask, grad_buffers=("bias",)))
+    t = torch.zeros(6, 10, dtype=torch.bfloat16)[:, ::2]
+    g = torch.zeros(6, 5)
+    args = pack_mod_args(low, {"bias": t}, {"scale": 0.5, "n": 2**40, "flag": True}, {"bias": g}, check_device=False)
+    assert args.bias == t.data_ptr() and (args.bias_stride0, args.bias_stride1) == (10, 2)
+    assert args.scale == 0.5 and args.n == 2**40 and args.flag == 1
+    assert args.bias_grad == g.data_ptr() and (args.bias_grad_stride0, args.bias_grad_stride1) == (5, 1)
+    assert len(bytes(args)) == ctypes.sizeof(type(args))
+    with pytest.raises(ModArgsError, match="CUDA"):
+        pack_mod_args(low, {"bias": t}, {"scale": 0.5, "n": 2, "flag": True}, {"bias": g})
+    with pytest.raises(ModArgsError, match="dtype float32"):
+        pack_mod_args(low, {"bias": t.float()}, {"scale": 0.5, "n": 2, "flag": True}, {"bias": g}, check_device=False)
+    with pytest.raises(ModArgsError, match="dimension"):
+        pack_mod_args(low, {"bias": t[0]}, {"scale": 0.5, "n": 2, "flag": True}, {"bias": g}, check_device=False)
+    with pytest.raises(ModArgsError, match="no value given"):
+        pack_mod_args(low, {"bias": t}, {"scale": 0.5}, {"bias": g}, check_device=False)
+    with pytest.raises(ModArgsError, match="does not fit"):
+        pack_mod_args(low, {"bias": t}, {"scale": 0.5, "n": 2**70, "flag": 1}, {"bias": g}, check_device=False)
+    with pytest.raises(ModArgsError, match="gradient"):
+        pack_mod_args(low, {"bias": t}, {"scale": 0.5, "n": 2, "flag": 1}, {}, check_device=False)

@@ -1,0 +1,231 @@
+"""Rendering and compiling: every packaged template compiles with NVRTC (no register spills),
+the fixture kernel compiles with each backend, errors are clear, and (on a GPU) it launches."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import arch as archmod
+from flexgen.cache import jit, paths
+from flexgen.cache.errors import FlexgenCompileError
+from flexgen.cache.ptxas import has_spills, parse_resources
+from flexgen.codegen.api import make_spec
+from flexgen.codegen.configs import choose_config
+from flexgen.codegen.render import TemplateNotFoundError, available_templates, render
+from flexgen.dsl import ir
+from flexgen.dsl.ir import DType
+
+FIXTURES = str(Path(__file__).parent / "fixtures" / "templates")
+S, H, Q, KV = (ir.input_(n) for n in ("score", "h", "q_idx", "kv_idx"))
+HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
+needs_nvrtc = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed")
+HAS_DERIVATIVE = importlib.util.find_spec("flexgen.dsl.derivative") is not None
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("flexgen-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(cache_dir, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(cache_dir))
+    for var in ("FLEXGEN_TEMPLATE_DIR", "FLEXGEN_NO_JIT", "FLEXGEN_COMPILER", "FLEXGEN_ARCH_LIST"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def alibi_causal():
+    """A typical variant: a per-head linear bias (scalar parameter) and a causal mask."""
+    score = ir.binary("add", S, ir.binary("mul", ir.cast(ir.binary("sub", KV, Q), DType.FLOAT32), ir.param("slope", DType.FLOAT32)))
+    return score, ir.binary("ge", Q, KV)
+
+
+# ---------------------------------------------------------------- the real templates
+
+
+PACKAGED = sorted(t for t in available_templates() if t.split("/")[0] == "sm80")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("template", PACKAGED or ["(none yet)"])
+def test_every_template_compiles_without_spills(template, arch):
+    if template == "(none yet)":
+        pytest.skip("no packaged templates yet")
+    kind = template.split("/")[1].removesuffix(".cu.j2")
+    score, mask = alibi_causal()
+    if kind == "bwd" and not HAS_DERIVATIVE:
+        score = None  # the backward of a score_mod needs flexgen.dsl.derivative
+    spec = make_spec(kind, score, mask, head_dim=128, dtype="bf16", arch=arch)
+    kernel = jit.get_kernel(spec)
+    res = kernel.resources
+    assert kernel.cubin[:4] == b"\x7fELF"
+    assert res["registers"] > 0
+    assert not has_spills(res), f"{template} on {arch} spills registers: {res} (tile {spec.block_m}x{spec.block_n})"
+
+
+# ---------------------------------------------------------------- the fixture kernel
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_fixture_compiles_with_nvrtc(arch):
+    score, mask = alibi_causal()
+    k = flexgen.compile("fwd", score, mask, head_dim=64, arch=arch, template_dir=FIXTURES, tag="nvrtc")
+    assert k.cubin[:4] == b"\x7fELF" and k.spec.arch == arch
+    assert k.resources["registers"] > 0 and not has_spills(k.resources)
+    assert k.path.is_dir() and (k.path / "kernel.cubin").read_bytes() == k.cubin
+    assert "--gpu-architecture=" + arch in k.flags and "--use_fast_math" not in k.flags
+    assert ".entry flexgen_fwd" in k.ptx  # generated on first use...
+    assert (k.path / "kernel.ptx").exists()  # ...and kept
+
+
+@needs_nvrtc
+def test_fast_math_and_debug_flags():
+    k = flexgen.compile("fwd", head_dim=64, arch="sm_80", template_dir=FIXTURES, fast_math=True, debug=True)
+    assert "--use_fast_math" in k.flags and "-lineinfo" in k.flags
+
+
+@pytest.mark.skipif(paths.nvcc_path() is None, reason="nvcc is not installed")
+def test_fixture_compiles_with_nvcc_through_ninja():
+    score, mask = alibi_causal()
+    k = flexgen.compile("fwd", score, mask, head_dim=64, arch="sm_80", template_dir=FIXTURES, compiler="nvcc", tag="nvcc")
+    assert k.cubin[:4] == b"\x7fELF"
+    assert k.meta["compiler"]["name"] == "nvcc" and k.resources["registers"] > 0
+    assert ".entry flexgen_fwd" in k.ptx
+
+
+@needs_nvrtc
+def test_compile_error_has_log_and_saved_source():
+    with pytest.raises(FlexgenCompileError) as err:
+        flexgen.compile("fwd", head_dim=64, arch="sm_80", template_dir=FIXTURES, break_it=True)
+    msg = str(err.value)
+    assert "this line is not C++" in msg and "error" in msg  # the compiler log
+    saved = Path(err.value.source_path)
+    assert saved.exists() and str(saved) in msg and "this line is not C++" in saved.read_text()
+
+
+def test_missing_template_lists_what_exists():
+    with pytest.raises(TemplateNotFoundError, match=r"block_mask.*available templates: .*sm80/fwd.cu.j2"):
+        render(make_spec("block_mask", arch="sm_80"), template_dir=FIXTURES)
+
+
+def test_emit_is_readable_source():
+    score, mask = alibi_causal()
+    text = flexgen.emit("fwd", score, mask, head_dim=64, arch="sm_90a", template_dir=FIXTURES)
+    assert "// score_mod: score + float32(kv_idx - q_idx) * slope" in text
+    assert "// mask_mod: q_idx >= kv_idx" in text
+    assert "float slope;" in text and "#include" not in text
+    assert 'extern "C" __global__' in text and "flexgen_fwd" in text
+
+
+def test_emit_accepts_mods_text_and_callables():
+    a = flexgen.emit(score_mod="score * 2.0", head_dim=64, template_dir=FIXTURES)
+    b = flexgen.emit(score_mod=lambda score, b, h, q_idx, kv_idx: score * 2.0, head_dim=64, template_dir=FIXTURES)
+    c = flexgen.emit(score_mod=flexgen.score_mod("score * 2.0"), head_dim=64, template_dir=FIXTURES, dtype=torch.bfloat16)
+    assert a == b == c and "__fmul_rn(score, 2.0f)" in a
+    with pytest.raises(TypeError, match="mask_mod was passed as score_mod"):
+        flexgen.emit(score_mod=flexgen.mask_mod("q_idx >= kv_idx"), template_dir=FIXTURES)
+
+
+def test_make_spec_options():
+    spec = make_spec("fwd", head_dim=128, dtype=torch.float16, arch="sm_90", block_n=32, deterministic=True, fast_math=True)
+    assert spec.arch == "sm_90a" and spec.dtype == "fp16" and spec.block_n == 32 and spec.block_m == 128
+    assert spec.deterministic and spec.option("fast_math") is True
+
+
+def test_parse_resources_multiple_functions():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Function properties for helper
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Compiling entry function 'other' for 'sm_80'
+ptxas info    : Function properties for other
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, 1024 bytes smem, 368 bytes cmem[0]
+ptxas info    : Compiling entry function 'flexgen_fwd' for 'sm_80'
+ptxas info    : Function properties for flexgen_fwd
+ptxas         .     48 bytes stack frame, 124 bytes spill stores, 120 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 48 bytes cumulative stack size, 2048 bytes smem, 680 bytes cmem[0]
+"""
+    r = parse_resources(log, "flexgen_fwd")
+    assert r == {"registers": 255, "shared_static_bytes": 2048, "stack_frame_bytes": 48, "spill_stores_bytes": 124,
+                 "spill_loads_bytes": 120, "barriers": 1}
+    assert parse_resources(log, "other")["shared_static_bytes"] == 1024 and not has_spills(parse_resources(log, "other"))
+    with pytest.raises(ValueError, match="no entry function"):
+        parse_resources(log, "missing")
+
+
+# ---------------------------------------------------------------- configs and architectures
+
+
+def test_choose_config_table_and_overrides():
+    assert choose_config("fwd", 64, "bf16", "sm_80") == dict(block_m=128, block_n=128, num_warps=4, num_stages=2)
+    assert choose_config("fwd", 128, "bf16", "sm_90a") == dict(block_m=128, block_n=64, num_warps=4, num_stages=2)
+    assert choose_config("fwd", 256, "fp16", "sm_86")["block_m"] == 64
+    assert choose_config("bwd", 128, "bf16", "sm_80") == dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    assert choose_config("fwd", 128, "bf16", "sm_80", block_n=32)["block_n"] == 32
+    with pytest.raises(TypeError, match="unknown config field"):
+        choose_config("fwd", 128, "bf16", "sm_80", tile=3)
+
+
+def test_arch_names(monkeypatch):
+    assert archmod.normalize("sm_90") == "sm_90a" and archmod.normalize("9.0") == "sm_90a"
+    assert archmod.normalize("sm80") == "sm_80" and archmod.normalize(86) == "sm_86" and archmod.normalize((8, 7)) == "sm_86"
+    assert archmod.normalize("sm_89") == "sm_89" and archmod.normalize("compute_80") == "sm_80"
+    with pytest.raises(archmod.UnsupportedArchError, match="older than sm_80"):
+        archmod.normalize("sm_75")
+    with pytest.raises(archmod.UnsupportedArchError, match="no flexgen template family"):
+        archmod.normalize("sm_100")
+    monkeypatch.setenv("FLEXGEN_ARCH_LIST", "sm_80, sm_90,sm_90a")
+    assert archmod.targets() == ["sm_80", "sm_90a"]
+    assert archmod.family("sm_90a") == "sm80" and archmod.family("sm_86") == "sm80"
+    if not torch.cuda.is_available():
+        assert archmod.jit_target() == "sm_80"  # no GPU: the first listed target
+        monkeypatch.delenv("FLEXGEN_ARCH_LIST")
+        with pytest.raises(archmod.NoDeviceError, match="FLEXGEN_ARCH_LIST"):
+            archmod.jit_target()
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+def test_fixture_kernel_launches():
+    from flexgen.codegen.cstruct import pack_mod_args
+    from flexgen.codegen.lower import lower_mods
+    from flexgen.dsl.evaluate import evaluate
+
+    bias_spec = ir.BufferSpec("bias", "bfloat16", 1)
+    score = ir.binary("add", ir.binary("mul", S, ir.param("scale", DType.FLOAT32)),
+                      ir.load(bias_spec, (ir.binary("mod", ir.binary("sub", Q, KV), ir.const(16)),)))
+    mask = ir.binary("ge", ir.binary("floordiv", Q, ir.const(3)), ir.binary("floordiv", KV, ir.const(5)))
+    kernel = flexgen.compile("fwd", score, mask, head_dim=64, template_dir=FIXTURES)
+    dev = torch.device("cuda")
+    q_len, kv_len = 37, 53
+    x = torch.randn(q_len * kv_len, device=dev)
+    out = torch.empty_like(x)
+    bias = torch.randn(32, device=dev).to(torch.bfloat16)[::2]  # strided
+    mods = lower_mods(kernel.spec)
+    mod_args = pack_mod_args(mods, {"bias": bias}, {"scale": 0.5})
+    params_t = type("FixtureParams", (ctypes.Structure,), {"_fields_": [
+        ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("q_len", ctypes.c_int), ("kv_len", ctypes.c_int),
+        ("mod", type(mod_args))]})
+    p = params_t(x.data_ptr(), out.data_ptr(), q_len, kv_len, mod_args)
+    threads = 128
+    blocks = -(-x.numel() // threads)
+    stream = torch.cuda.current_stream().cuda_stream
+    kernel.launch((blocks, 1, 1), (threads, 1, 1), threads * 4, stream, p)
+    kernel.launch(blocks, threads, 64 * 1024, stream, p)  # > 48 KB: the opt-in attribute path
+    torch.cuda.synchronize()
+    qi = torch.arange(q_len * kv_len, device=dev) // kv_len
+    ki = torch.arange(q_len * kv_len, device=dev) % kv_len
+    inputs = {"score": x, "b": 0, "h": 0, "q_idx": qi.int(), "kv_idx": ki.int()}
+    want = evaluate(score, inputs, {"bias": bias}, {"scale": 0.5}, float_dtype=torch.float32)
+    keep = evaluate(mask, inputs, {}, {})
+    want = torch.where(keep, want, torch.full_like(want, float("-inf")))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
