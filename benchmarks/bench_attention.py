@@ -42,7 +42,6 @@ bench_plot.png (if matplotlib is present); the compact table is printed last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -381,6 +380,12 @@ def is_sticky(e: BaseException, dev) -> bool:
 
 
 class Events:
+    """Progress and results, one JSON object a line, for the driver to read back."""
+
+    # Testing hook for the crash recovery: FLEXGEN_BENCH_FAULT="impl:phase" makes the worker die
+    # (as a faulting kernel would) when it begins that phase of that implementation.
+    FAULT = os.environ.get("FLEXGEN_BENCH_FAULT", "")
+
     def __init__(self, path):
         self.f = open(path, "a", buffering=1)
 
@@ -388,6 +393,9 @@ class Events:
         self.f.write(json.dumps(rec, default=str) + "\n")
         self.f.flush()
         os.fsync(self.f.fileno())
+        if self.FAULT and rec.get("event") == "begin" and self.FAULT == f"{rec.get('impl')}:{rec.get('phase')}":
+            print(f"FLEXGEN_BENCH_FAULT: dying in {self.FAULT}", flush=True)
+            os._exit(EXIT_STICKY)
 
 
 def rows_reference(q, k, v, variant: Variant, rows):
@@ -939,7 +947,7 @@ def ratio_lines(records, fwd_only):
             at = [r for r in rs if r["N"] == n]
             fl = [r for r in at if r["impl"].startswith("flexgen")]
             peers = [r for r in at if not r["impl"].startswith("flexgen")]
-            if not fl or not peers:
+            if not fl or not peers or not max(r.get("fwd_tflops") or 0 for r in peers):
                 continue
             best_f = max(fl, key=lambda r: r.get("fwd_tflops") or 0)
             pf = max(peers, key=lambda r: r.get("fwd_tflops") or 0)

@@ -72,7 +72,7 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
     $PY -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=$PER_TEST_TIMEOUT"
     # shellcheck disable=SC2086
     timeout --signal=INT --kill-after=15 "$TEST_TIMEOUT" \
-        $PY -m pytest -q -m gpu tests -x $PER_TEST -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+        $PY -m pytest -q -m gpu ${TEST_PATHS:-tests} --maxfail=${MAXFAIL:-25} $PER_TEST -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu_tests.log"
     TEST_RC=$?
     [ "$TEST_RC" = 124 ] && echo "!! GPU tests ran past ${TEST_TIMEOUT}s and were stopped"

@@ -151,6 +151,31 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     )
 
 
+# Device copies of captured buffers that live elsewhere (e.g. a variant built on the CPU),
+# refreshed when the source tensor is modified in place (its version counter moves).
+# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys themselves.
+_device_copies: dict[int, tuple] = {}
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    hit = _device_copies.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == device:
+        return hit[3]
+    copy = t.detach().to(device)
+    key = id(t)
+    _device_copies[key] = (weakref.ref(t, lambda _: _device_copies.pop(key, None)), t._version, device, copy)
+    return copy
+
+
+def mod_arguments(score: Mod | None, mask: Mod | None, device: torch.device) -> tuple[dict, dict]:
+    """Buffers (on `device`) and scalar parameters of the variant, keyed by their IR names."""
+    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
+    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    return {n: _on_device(t, device) for n, t in buffers.items()}, params
+
+
 def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options):
     """Validated inputs -> (out, lse) through the generated forward kernel."""
     from .cache import get_kernel
@@ -162,8 +187,7 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     if bm is not None:
         _check_block_mask(bm, query, key, spec)
     kernel = get_kernel(spec)
-    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
-    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    buffers, params = mod_arguments(score, mask, query.device)
     mod_args = pack_mod_args(lower_mods(spec), buffers, params)
     q, k, v = _kernel_ready(query), _kernel_ready(key), _kernel_ready(value)
     b, h, lq, d = q.shape

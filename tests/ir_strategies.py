@@ -6,11 +6,14 @@ well-typed by construction. Buffer loads always index with `x % BUF_SIZE`, so
 every load is in range whatever the index expression evaluates to.
 Integer constants and index ranges stay small so nothing overflows int32 at
 the depths used here (the mask analysis assumes no overflow).
+
+Strategies: exprs (any dtype), int_exprs, bool_exprs, float_exprs, diff_exprs
+(differentiable floats), affine_masks; inputs: make_inputs, make_buffers,
+make_params; comparison: same_values.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from hypothesis import strategies as st
@@ -352,7 +355,3 @@ def same_values(a: torch.Tensor, b: torch.Tensor, rtol: float = 0.0, atol: float
     a = a.to(torch.float64)
     b = b.to(torch.float64)
     return bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True) and torch.equal(a.isinf(), b.isinf()))
-
-
-def finite_float(x: float) -> bool:
-    return math.isfinite(x)

@@ -16,6 +16,7 @@ from flexgen.cache.ptxas import has_spills
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.spec import HEAD_DIMS
 from flexgen.runtime import backward as bw
 
 HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
@@ -75,9 +76,8 @@ def test_bwd_struct_size_and_no_spills(name, arch):
     assert ctypes.alignment(params) == 8
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("head_dim", sorted(bw.BWD_TILES))
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("arch,dtype", [("sm_80", "fp16"), ("sm_90a", "bf16")])
+@pytest.mark.parametrize("head_dim", list(HEAD_DIMS))
 def test_bwd_head_dims_compile_without_spills(head_dim, dtype, arch):
     score, mask, grads = _variants()["softcap_causal"]
     spec = _bwd_spec(score, mask, grads, head_dim, dtype, arch)
@@ -123,5 +123,14 @@ def test_source_is_readable():
 
 
 def test_unsupported_head_dim_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="head dim 256"):
-        bw.bwd_tiles(256, "sm_90a")
+    with pytest.raises(NotImplementedError, match="head dim 48"):
+        bw.bwd_tiles(48, "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+@pytest.mark.parametrize("head_dim", list(HEAD_DIMS))
+def test_tiles_fit_shared_memory(head_dim, arch):
+    cfg = bw.bwd_tiles(head_dim, arch)
+    spec = make_spec("bwd", head_dim=head_dim, arch=arch, **cfg)
+    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
+    assert spec.block_n % 16 == 0 and spec.num_warps * 16 % spec.block_n == 0 or spec.block_n % (16 * spec.num_warps) == 0

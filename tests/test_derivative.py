@@ -1,5 +1,3 @@
-import math
-
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

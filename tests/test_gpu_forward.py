@@ -123,6 +123,17 @@ def _variant(name: str, s: Shape):
         q_lens = torch.randint(1, s.Lq + 1, (s.B,), device=DEV, dtype=torch.int32)
         kv_lens = torch.randint(1, s.Lkv + 1, (s.B,), device=DEV, dtype=torch.int32)
         return None, (lambda b, h, q, kv: (q < q_lens[b]) & (kv < kv_lens[b])), True
+    if name == "late_causal":  # rows 0..199 see nothing: query block 0 has no tile at all, block 1 is half dead
+        return None, (lambda b, h, q, kv: (q >= 200) & (q >= kv)), False
+    if name == "torch_doc":  # a plain function over a captured tensor, as a torch user writes it
+        ids = doc_ids(L)
+
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+        return None, doc_causal, False
+    if name == "nothing":
+        return None, (lambda b, h, q, kv: q < 0), False
     raise KeyError(name)
 
 
@@ -173,8 +184,9 @@ def lowp_attention(q, k, v, score, mask, scale):
 
 
 def reference(q, k, v, score, mask, scale, gqa):
+    """float64 inputs, so that the reference output is float64 (it comes back in the inputs' dtype)."""
     out, lse = flexgen.reference_attention(
-        q, k, v, score_mod=score, mask_mod=mask, scale=scale, enable_gqa=gqa, return_lse=True
+        q.double(), k.double(), v.double(), score_mod=score, mask_mod=mask, scale=scale, enable_gqa=gqa, return_lse=True
     )
     return out.to(device=q.device, dtype=torch.float64), lse.to(device=q.device, dtype=torch.float64)
 
@@ -254,6 +266,8 @@ def _planned_kernels():
     plan += [(n, "fp16", D0, None) for n in FP16_VARIANTS]
     plan += [("causal", dt, d, None) for dt in DTYPES for d in HEAD_DIMS]
     plan += [("causal", "bf16", D0, o) for o in TILE_OPTIONS]
+    plan += [("sliding_window", "bf16", D0, {"BLOCK_M": 64, "BLOCK_N": 64})]
+    plan += [(n, "bf16", D0, None) for n in ("late_causal", "nothing", "torch_doc")]
     seen, out = set(), []
     for n, dt, d, o in plan:
         key = (n, dt, d, repr(o))
@@ -380,10 +394,7 @@ def test_fully_masked_rows_and_empty_query_blocks():
     seed = fresh_seed()
     s = Shape(2, 4, 1000, 1000)
     q, k, v = (randn(s.B, s.H, s.Lq, D0, dtype=torch.bfloat16) for _ in range(3))
-
-    def late_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= 200) & (q_idx >= kv_idx)
-
+    _, late_causal, _ = _variant("late_causal", s)
     bm = flexgen.create_block_mask(late_causal, None, None, s.Lq, s.Lkv, device=DEV)
     out, lse = run_flexgen(q, k, v, None, bm)
     assert (out[:, :, :200] == 0).all()
@@ -396,10 +407,7 @@ def test_fully_masked_rows_and_empty_query_blocks():
 def test_everything_masked():
     fresh_seed()
     q, k, v = (randn(1, 2, 300, D0, dtype=torch.bfloat16) for _ in range(3))
-
-    def nothing(b, h, q_idx, kv_idx):
-        return q_idx < 0
-
+    _, nothing, _ = _variant("nothing", Shape(1, 2, 300, 300))
     bm = flexgen.create_block_mask(nothing, None, None, 300, 300, device=DEV)
     out, lse = run_flexgen(q, k, v, None, bm)
     assert (out == 0).all()
@@ -454,15 +462,13 @@ def test_kernel_options_small_tiles_with_small_mask_blocks():
 
 @gpu
 def test_torch_block_mask_is_accepted():
+    """A torch.nn.attention.flex_attention BlockMask (its mask_mod a plain function) works as it is."""
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
     seed = fresh_seed()
-    ids = doc_ids(1000)
-
-    def doc_causal(b, h, q_idx, kv_idx):
-        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
-
-    tbm = fa.create_block_mask(doc_causal, None, None, 1000, 1000, device=DEV)
-    q, k, v = (randn(2, 4, 1000, D0, dtype=torch.bfloat16) for _ in range(3))
+    s = Shape(2, 4, 1000, 1000)
+    _, doc_causal, _ = _variant("torch_doc", s)
+    tbm = fa.create_block_mask(doc_causal, None, None, s.Lq, s.Lkv, device=DEV)
+    q, k, v = (randn(s.B, s.H, s.Lq, D0, dtype=torch.bfloat16) for _ in range(3))
     out, lse = run_flexgen(q, k, v, None, tbm)
     assert_matches(out, lse, q, k, v, None, doc_causal, seed=seed, what="torch BlockMask")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from .. import __version__
@@ -95,6 +96,16 @@ def compile_error(spec, key: str, source: str, log: str, be) -> FlexgenCompileEr
     )
 
 
+def _resources_or_note(log: str, entry: str) -> dict:
+    """The ptxas report, or a note that it is missing: a missing report (seen once, from NVRTC
+    under concurrent compiles) must not stop a kernel that compiled from being used."""
+    try:
+        return parse_resources(log, entry)
+    except ValueError:
+        warnings.warn(f"flexgen: no ptxas resource report for {entry}; registers and spills unknown", stacklevel=3)
+        return {"report_missing": True}
+
+
 def install(spec, key, source, flags, be, cubin: bytes, log: str, seconds: float) -> store.Entry:
     from ..dsl.printer import pretty
 
@@ -108,7 +119,7 @@ def install(spec, key, source, flags, be, cubin: bytes, log: str, seconds: float
         "entry": spec.entry_name,
         "compiler": {"name": be.NAME, "version": be.version(), "flags": list(flags)},
         "compile_seconds": round(seconds, 4),
-        "resources": parse_resources(log, spec.entry_name),
+        "resources": _resources_or_note(log, spec.entry_name),
         "compiler_log": log,
         "created_unix": time.time(),  # informational only; never used for invalidation
     }

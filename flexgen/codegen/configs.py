@@ -15,7 +15,9 @@ TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 128, None, (128, 64, 4, 2)),
     ("fwd", 256, None, (64, 64, 4, 2)),
-    ("bwd", 256, None, (64, 64, 4, 2)),
+    ("bwd", 64, None, (64, 128, 8, 2)),
+    ("bwd", 128, None, (32, 128, 8, 2)),
+    ("bwd", 256, None, (64, 64, 8, 2)),
 ]
 DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block masks)
 

@@ -9,10 +9,13 @@ indices, q_idx in [q0, q1), kv_idx in [k0, k1), b in b_range, h in h_range:
   sit at corners, so for forms over the index inputs alone the range, and hence
   every comparison between such forms, is decided exactly. Atoms make the
   result sound but possibly loose (they are treated as independent variables);
-* booleans are three-valued (may be true / may be false), combined by and/or/not,
-  which is sound but can be indecisive for correlated atoms such as
-  `(q < kv) | (q >= kv)`. Masks made of comparisons of single index differences
-  (causal, sliding window, prefix-LM and their combinations) come out exact;
+* booleans are three-valued (may be true / may be false), combined by and/or/not.
+  That alone is indecisive for correlated atoms such as `(q < kv) | (q >= kv)`,
+  so and/or also carry the linear constraints their operands imply and try to
+  refute them on the tile (integer bounds propagation plus one round of
+  Fourier-Motzkin elimination, see `_feasible`). That is still incomplete in
+  general, but masks made of comparisons of index differences (causal, sliding
+  window, prefix-LM and their and/or/not combinations) come out exact on any tile;
 * floats are intervals widened for float32/float64 rounding (and for the
   approximate transcendental functions kernels use), with a may-be-NaN flag;
 * anything not understood (buffer loads, unknown ops) is "may be anything".
@@ -34,7 +37,7 @@ from typing import Mapping
 
 import torch
 
-from .ir import BufferSpec, DType, Node, postorder
+from .ir import DType, Node, postorder
 
 _BIG = 2.0**52  # float64 holds every integer up to 2**53 exactly
 _F32_INT = 2.0**24  # float32 holds every integer up to 2**24 exactly

@@ -25,7 +25,9 @@ import functools
 
 import torch
 
-from ..codegen.spec import KernelSpec
+from ..attention import mod_arguments
+from ..codegen.configs import choose_config
+from ..codegen.spec import HEAD_DIMS, KernelSpec
 from .forward import LOG2E, _bh_strides
 
 _ptr = ctypes.c_void_p
@@ -90,45 +92,70 @@ def post_params_type(mod_args_type: type) -> type:
 
 # ---------------------------------------------------------------- tile configuration
 
-# head_dim -> (block_m = query rows per tile, block_n = key rows per CTA, num_warps). One
-# 16-row key tile per warp; the largest tiles that compile without register spills
-# (sm_80 and sm_90a, ptxas -v): dK and dV of the warp's keys live in registers all along.
-BWD_TILES = {32: (64, 128, 8), 64: (64, 128, 8), 96: (32, 128, 8), 128: (32, 128, 8)}
+# head_dim -> (block_m = query rows per tile, block_n = key rows per CTA, num_warps): the largest
+# tiles that compile without register spills (sm_80 and sm_90a, ptxas -v). dK and dV of a
+# warp's keys live in registers all along: one 16-row key tile per warp, all D columns up to
+# D = 128; for D = 256 two warps share 16 key rows, D / 2 columns each (WARPS_D = 2 in bwd.cu.j2).
 PRE_POST_ROWS, PRE_POST_WARPS = 64, 4
 
 # Dynamic shared memory one CTA may use, per target.
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 
 
+def warps_d(spec: KernelSpec) -> int:
+    """Warps sharing 16 key rows (bwd.cu.j2's WARPS_D)."""
+    return max(1, 16 * spec.num_warps // spec.block_n)
+
+
 def shared_memory_bytes(spec: KernelSpec) -> int:
     """Dynamic shared memory of the main backward kernel (layout in bwd.cu.j2: kv_tile_backward)."""
     d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
     stages = 2 if spec.num_stages >= 2 else 1
-    halves = 2 * bn * (d + 8) + stages * bm * (d + 8) + bm * (d + 8) + bn * (bm + 8)  # K, V, Q stages, dO, dX^T
+    ds_tiles = 2 if warps_d(spec) > 1 else 1  # dX^T, and P^T when two warps share key rows
+    halves = 2 * bn * (d + 8) + stages * bm * (d + 8) + bm * (d + 8) + ds_tiles * bn * (bm + 8)  # K, V, Q, dO, dX^T, P^T
     return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
 
 
 def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None) -> dict:
     """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles."""
-    if head_dim not in BWD_TILES:
+    if head_dim not in HEAD_DIMS:
         raise NotImplementedError(
-            f"flex_attention backward: head dim {head_dim} is not supported yet; backward head dims are {sorted(BWD_TILES)}"
+            f"flex_attention backward: head dim {head_dim} is not supported; supported head dims are {HEAD_DIMS}"
         )
-    bm, bn, _ = BWD_TILES[head_dim]
+    cfg = choose_config("bwd", head_dim, "bf16", arch if arch in SMEM_LIMIT else "sm_80")
+    bm, bn, warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
+    per_rows = max(1, 16 * warps // bn)  # warps per 16 key rows
     if mask_block is not None:
         bq, bkv = mask_block
         if bq % 16 or bkv % 16:
             raise ValueError(f"flex_attention backward: block mask BLOCK_SIZE {mask_block} must be a multiple of 16")
+        if bq % (16 * per_rows):
+            raise ValueError(
+                f"flex_attention backward: head dim {head_dim} needs block mask query blocks that are multiples of "
+                f"{16 * per_rows}, got BLOCK_SIZE {mask_block}"
+            )
         while bq % bm:
             bm //= 2
         while bkv % bn:
             bn //= 2
-    cfg = {"block_m": bm, "block_n": bn, "num_warps": bn // 16, "num_stages": 2}
     limit = SMEM_LIMIT.get(arch, 99 * 1024)
-    probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=arch if arch in SMEM_LIMIT else "sm_80", **cfg)
-    if shared_memory_bytes(probe) > limit:
-        cfg["num_stages"] = 1
-    return cfg
+    # Shared memory: one Q stage instead of two, then fewer query rows (down to 32), then fewer
+    # key rows, until the tile fits.
+    while True:
+        for stages in (2, 1):
+            cfg = {"block_m": bm, "block_n": bn, "num_warps": bn // 16 * per_rows, "num_stages": stages}
+            probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=arch if arch in SMEM_LIMIT else "sm_80", **cfg)
+            if shared_memory_bytes(probe) <= limit:
+                return cfg
+        if bm > max(32, 16 * per_rows):
+            bm //= 2
+        elif bn > 16:
+            bn //= 2
+        else:
+            raise NotImplementedError(
+                f"flex_attention backward: head dim {head_dim} needs {shared_memory_bytes(probe)} bytes of shared "
+                f"memory per block, more than {arch} has ({limit}); it is not supported on this GPU"
+            )
 
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
@@ -177,6 +204,13 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
     `grad_buffers` (score_mod buffers that require grad) to its gradient, fp32, in the
     buffer's shape.
     """
+    with torch.cuda.device(query.device):  # kernels launch on the current device
+        return _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options,
+                         needs_input_grad, tuple(grad_buffers))
+
+
+def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
+              grad_buffers):
     from ..attention import _kernel_ready, make_spec
     from ..cache import get_kernel
     from ..codegen.cstruct import pack_mod_args
@@ -185,7 +219,6 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
     want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
     options = dict(kernel_options or {})
     deterministic = bool(options.get("deterministic", False))
-    grad_buffers = tuple(grad_buffers)
     if deterministic and grad_buffers:
         raise NotImplementedError(
             "flex_attention backward: gradients of score_mod buffers "
@@ -234,8 +267,7 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
     pre_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, pre)
 
     # 2. the main kernel
-    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
-    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    buffers, params = mod_arguments(score, mask, device)
     buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
     kernel = get_kernel(spec)
