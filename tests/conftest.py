@@ -13,3 +13,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+FLEXGEN_ENV = ("FLEXGEN_TEMPLATE_DIR", "FLEXGEN_NO_JIT", "FLEXGEN_COMPILER", "FLEXGEN_ARCH_LIST")
+
+
+@pytest.fixture
+def isolated_kernel_cache(tmp_path_factory, monkeypatch):
+    """One scratch kernel cache per test session, and none of the user's flexgen settings."""
+    path = tmp_path_factory.getbasetemp() / "flexgen-kernel-cache"
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(path))
+    for var in FLEXGEN_ENV:
+        monkeypatch.delenv(var, raising=False)
+    return path

@@ -20,14 +20,7 @@ from flexgen.codegen.spec import HEAD_DIMS
 from flexgen.runtime import backward as bw
 
 HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
-pytestmark = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "flexgen-cache-bwd"))
-    for var in ("FLEXGEN_TEMPLATE_DIR", "FLEXGEN_NO_JIT", "FLEXGEN_COMPILER", "FLEXGEN_ARCH_LIST"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = [pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed"), pytest.mark.usefixtures("isolated_kernel_cache")]
 
 
 def _variants():

@@ -16,14 +16,7 @@ from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
 from flexgen.runtime.forward import fwd_params_type
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("cupy_backends") is None, reason="NVRTC (cupy) is not installed")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "flexgen-cache-fwd"))
-    for var in ("FLEXGEN_TEMPLATE_DIR", "FLEXGEN_NO_JIT", "FLEXGEN_COMPILER", "FLEXGEN_ARCH_LIST"):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("cupy_backends") is None, reason="NVRTC (cupy) is not installed"), pytest.mark.usefixtures("isolated_kernel_cache")]
 
 
 def _variants():
