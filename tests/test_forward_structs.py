@@ -11,6 +11,7 @@ import torch
 
 from flexgen import and_masks, variants as V
 from flexgen.cache import jit
+from flexgen.cache.ptxas import has_spills
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
@@ -56,9 +57,31 @@ def test_fwd_compiles_and_struct_matches(name, arch):
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
     fwd = fwd_params_type(type(mod_args))
     assert ctypes.sizeof(fwd) == _param_bytes(kernel.ptx, spec.entry_name)
+    if name in SPILLS_AT_HEAD_DIM_64 and has_spills(kernel.resources):
+        pytest.xfail(f"known register spill: {kernel.resources}")
+    assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
 
 
 def test_fwd_head_dims_and_dtypes_compile():
     for head_dim, dtype in ((32, "fp16"), (96, "bf16"), (128, "fp16"), (256, "bf16")):
         spec = make_spec("fwd", V.softcap(20.0), V.causal, head_dim=head_dim, dtype=dtype, arch="sm_80")
         assert jit.get_kernel(spec).resources["registers"] > 0
+
+
+# Every built-in is spill-free at head_dim 64; this combination reads two int64 buffers per element.
+SPILLS_AT_HEAD_DIM_64 = {"window_and_document"}
+# The default 128 x 64 tile at head_dim 128 sits at the 255-register limit: these variants spill
+# 12-172 bytes (benchmarks/NOTES.md). Marked so the suite shows it, and shows when it is fixed.
+SPILLS_AT_HEAD_DIM_128 = {"none", "causal", "document", "relative_bias", "window_and_document"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(reason="known register spill at head_dim 128", strict=False))
+     if n in SPILLS_AT_HEAD_DIM_128 else n for n in _variants()],
+)
+def test_fwd_head_dim_128_has_no_spills(name):
+    score, mask = _variants()[name]
+    spec = make_spec("fwd", score, mask, head_dim=128, dtype="bf16", arch="sm_90a")
+    resources = jit.get_kernel(spec).resources
+    assert not has_spills(resources), f"{name} spills at head_dim 128: {resources}"
