@@ -197,6 +197,13 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     return out, lse
 
 
+def _element_mask(bm: BlockMask | None) -> Mod | None:
+    """The mask_mod partial tiles apply, traced once per function; None when there is none (noop)."""
+    if bm is None or bm.mask_mod is None:
+        return None
+    return _as_mask_mod(_traced(bm.mask_mod, "mask"))
+
+
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -223,11 +230,7 @@ def flex_attention(
     _check_inputs(query, key, value, enable_gqa)
     score = _traced(score_mod, "score")
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
-    mask = None
-    if bm is not None:
-        mask = bm.mask_mod if isinstance(bm.mask_mod, Mod) else _as_mask_mod(_traced(bm.mask_mod, "mask")) if bm.mask_mod is not None else None
-        if mask is not None and mask.expr.op == "const" and mask.expr.attr is True:
-            mask = None
+    mask = _element_mask(bm)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     from .autograd import attention_with_grad
