@@ -30,6 +30,8 @@ def _variants():
     return {
         "none": (None, None, ()),
         "causal": (None, V.causal, ()),
+        "sliding_window": (None, V.sliding_window(48), ()),
+        "prefix_lm": (None, V.prefix_lm(16), ()),
         "document": (None, V.document(torch.zeros(64, dtype=torch.int32)), ()),
         "softcap_causal": (V.softcap(20.0), V.causal, ()),
         "alibi_learnable": (V.alibi(slopes), V.causal, ("alibi_slopes",)),
