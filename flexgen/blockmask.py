@@ -150,22 +150,21 @@ class BlockMask:
     def device(self) -> torch.device:
         return self.kv_indices.device
 
-    def to(self, device) -> "BlockMask":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    def _map_tensors(self, fn) -> "BlockMask":
+        """The same mask with `fn` applied to each of its index tensors."""
+        f = lambda t: None if t is None else fn(t)  # noqa: E731
         return BlockMask(
-            self.seq_lengths, move(self.kv_num_blocks), move(self.kv_indices), move(self.full_kv_num_blocks),
-            move(self.full_kv_indices), move(self.q_num_blocks), move(self.q_indices), move(self.full_q_num_blocks),
-            move(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod,
+            self.seq_lengths, f(self.kv_num_blocks), f(self.kv_indices), f(self.full_kv_num_blocks),
+            f(self.full_kv_indices), f(self.q_num_blocks), f(self.q_indices), f(self.full_q_num_blocks),
+            f(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod,
         )
+
+    def to(self, device) -> "BlockMask":
+        return self._map_tensors(lambda t: t.to(device))
 
     def _broadcast_to(self, b: int, h: int) -> "BlockMask":
         """Stride-0 views to (b, h, ...): masks that ignore b and h are stored once."""
-        grow = lambda t: None if t is None else t.expand(b, h, *t.shape[2:])  # noqa: E731
-        return BlockMask(
-            self.seq_lengths, grow(self.kv_num_blocks), grow(self.kv_indices), grow(self.full_kv_num_blocks),
-            grow(self.full_kv_indices), grow(self.q_num_blocks), grow(self.q_indices), grow(self.full_q_num_blocks),
-            grow(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod,
-        )
+        return self._map_tensors(lambda t: t.expand(b, h, *t.shape[2:]))
 
     def _dense(self, counts, indices) -> torch.Tensor:
         return _lists_to_dense(counts, indices, self.kv_indices.shape[-1])
@@ -182,9 +181,8 @@ class BlockMask:
         n_q, n_kv = self.kv_indices.shape[-2], self.kv_indices.shape[-1]
         q_len, kv_len = self.seq_lengths
         n_q, n_kv = min(n_q, -(-q_len // self.BLOCK_SIZE[0])), min(n_kv, -(-kv_len // self.BLOCK_SIZE[1]))
-        visited = self.to_dense()[..., :n_q, :n_kv].sum().item()
-        total = n_q * n_kv * self.to_dense().shape[:-2].numel()
-        return 100.0 * (1.0 - visited / max(total, 1))
+        dense = self.to_dense()[..., :n_q, :n_kv]
+        return 100.0 * (1.0 - dense.sum().item() / max(dense.numel(), 1))
 
     def __repr__(self) -> str:
         b, h, q_len, kv_len = self.shape
@@ -212,11 +210,8 @@ class BlockMask:
 
 def _classify(mod: Mod, q_len, kv_len, bq, bkv, b_range, h_range) -> tuple[torch.Tensor, torch.Tensor]:
     """(full, partial) over (nQ, nKV) by static analysis; undecided tiles come back partial."""
-    n_q, n_kv = -(-q_len // bq), -(-kv_len // bkv)
-    try:
-        from .dsl.mask_analysis import classify_blocks
-    except ImportError:  # pragma: no cover - analysis module missing: everything is undecided
-        return torch.zeros(n_q, n_kv, dtype=torch.bool), torch.ones(n_q, n_kv, dtype=torch.bool)
+    from .dsl.mask_analysis import classify_blocks
+
     full, partial = classify_blocks(mod.expr, q_len, kv_len, bq, bkv, params=dict(mod.params), b_range=b_range, h_range=h_range)
     return full.cpu(), partial.cpu()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import ninja, paths
 from .errors import CompilerFailure, CompilerUnavailableError
-from .nvrtc import CompileOutput
+from .nvrtc import CompileOutput, spec_options
 
 NAME = "nvcc"
 
@@ -35,14 +35,7 @@ def version() -> str:
 
 
 def flags(spec) -> list[str]:
-    out = [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v"]
-    if spec.option("fast_math", False):
-        out.append("--use_fast_math")
-    if spec.debug:
-        out.append("-lineinfo")
-    if spec.option("device_debug", False):
-        out.append("-G")
-    return out
+    return [f"-arch={spec.arch}", "-std=c++17", "-Xptxas=-v"] + spec_options(spec)
 
 
 def command(source: Path, output: Path, options: list[str], mode: str = "-cubin") -> list[str]:

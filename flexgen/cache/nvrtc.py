@@ -43,7 +43,12 @@ def version() -> str:
 
 
 def flags(spec) -> list[str]:
-    out = [f"--gpu-architecture={spec.arch}", "-std=c++17", "-default-device", "--ptxas-options=-v"]
+    return [f"--gpu-architecture={spec.arch}", "-std=c++17", "-default-device", "--ptxas-options=-v"] + spec_options(spec)
+
+
+def spec_options(spec) -> list[str]:
+    """Flags both compilers spell the same way: fast math and the two debug levels."""
+    out = []
     if spec.option("fast_math", False):
         out.append("--use_fast_math")
     if spec.debug:
