@@ -18,6 +18,8 @@ from .dsl.mod import Mod
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _KERNEL_OPTION_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+# The backward's tile, under PyTorch's names: query rows (BLOCK_M1) per step of a KV tile of BLOCK_N1 rows.
+_BWD_OPTION_NAMES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n"}
 # deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod.
 _FLAG_OPTIONS = ("deterministic", "precise_math")
 
@@ -131,16 +133,19 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     for user_name, field in _KERNEL_OPTION_NAMES.items():
         if user_name in options:
             overrides[field] = int(options.pop(user_name))
+    for name in _BWD_OPTION_NAMES:  # read by the backward (bwd_tile_overrides)
+        options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
     if options:
         raise ValueError(
-            f"flex_attention: unknown kernel_options {sorted(options)}; known: {sorted(_KERNEL_OPTION_NAMES) + sorted(_FLAG_OPTIONS)}"
+            f"flex_attention: unknown kernel_options {sorted(options)}; known: "
+            f"{sorted(_KERNEL_OPTION_NAMES) + sorted(_BWD_OPTION_NAMES) + sorted(_FLAG_OPTIONS)}"
         )
     dtype = _DTYPES[query.dtype]
     head_dim = query.shape[-1]
     arch = current_arch(query.device)
-    cfg = choose_config(kind, head_dim, dtype, arch, **overrides)
+    cfg = choose_config(kind, head_dim, dtype, arch, score_reads_buffers=bool(score is not None and score.buffers), **overrides)
     return KernelSpec(
         kind=kind, head_dim=head_dim, dtype=dtype, arch=arch,
         block_m=cfg["block_m"], block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -149,6 +154,12 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
         deterministic=deterministic and kind.startswith("bwd"),
         extra=extra,
     )
+
+
+def bwd_tile_overrides(kernel_options: dict | None) -> dict:
+    """kernel_options BLOCK_M1 / BLOCK_N1 as backward config fields."""
+    options = kernel_options or {}
+    return {field: int(options[name]) for name, field in _BWD_OPTION_NAMES.items() if name in options}
 
 
 # Device copies of captured buffers that live elsewhere (e.g. a variant built on the CPU),
@@ -233,6 +244,9 @@ def flex_attention(
     mask = _element_mask(bm)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    if scale < 0:
+        # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
+        query, scale = -query, -scale
     from .autograd import attention_with_grad
 
     out, lse = attention_with_grad(query, key, value, score, bm, mask, float(scale), kernel_options)

@@ -277,6 +277,15 @@ def test_small_mask_blocks():
                   kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
 
 
+@gpu
+@pytest.mark.parametrize("opts", [{"BLOCK_N1": 64}, {"BLOCK_M1": 64, "BLOCK_N1": 64}, {"BLOCK_M1": 16, "BLOCK_N1": 128}],
+                         ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document"])
+def test_backward_tile_options(name, opts):
+    """kernel_options BLOCK_M1 / BLOCK_N1 pick the backward's tile (PyTorch's names)."""
+    check_variant(name, Shape(1, 2, 700, 650), 128, torch.bfloat16, kernel_options=opts)
+
+
 # ---------------------------------------------------------------- masked rows, partial grads, layouts
 
 

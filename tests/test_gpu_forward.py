@@ -147,7 +147,8 @@ LENGTH_VARIANTS = ["none", "causal", "sliding_window", "alibi_causal"]
 LENGTHS = [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (1, 4097), (17, 1000), (1000, 17), (4097, 1000)]
 GQA_VARIANTS = ["none", "causal", "alibi_causal", "document", "per_head_mask"]
 HEAD_DIMS = [32, 64, 96, 128, 256]
-TILE_OPTIONS = [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 128}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}]
+TILE_OPTIONS = [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 128}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+                {"num_stages": 1}, {"BLOCK_N": 32}]
 D0 = 64  # head dim of the variant sweep
 
 
@@ -423,6 +424,31 @@ def test_lse_with_scale():
     bm = flexgen.create_block_mask(mask, None, None, 1000, 1000, device=DEV)
     out, lse = run_flexgen(q, k, v, None, bm, scale=0.3)
     assert_matches(out, lse, q, k, v, None, mask, scale=0.3, seed=seed, what="causal scale=0.3")
+
+
+@gpu
+def test_row_max_growing_across_tiles():
+    """Scores that keep growing along the keys, by steps above and below the kernel's rescale
+    threshold (2^8 in probability), so the reference max moves on some tiles and not others."""
+    seed = fresh_seed()
+    L, D = 1500, 64
+    q, k, v = (randn(2, 3, L, D, dtype=torch.float32) for _ in range(3))
+    ramp = torch.linspace(0.2, 3.0, L, device=DEV) * (1 + (torch.arange(L, device=DEV) // 200 % 2))
+    k = (k * ramp[:, None]).to(torch.bfloat16)
+    q, v = q.to(torch.bfloat16), v.to(torch.bfloat16)
+    for mask in (None, flexgen.variants.causal):
+        bm = None if mask is None else flexgen.create_block_mask(mask, None, None, L, L, device=DEV)
+        out, lse = run_flexgen(q, k, v, None, bm)
+        assert_matches(out, lse, q, k, v, None, mask, seed=seed, what=f"growing scores mask={mask}")
+
+
+@gpu
+def test_negative_scale():
+    seed = fresh_seed()
+    q, k, v = (randn(1, 2, 300, D0, dtype=torch.bfloat16) for _ in range(3))
+    for score in (None, flexgen.variants.softcap(5.0)):
+        out, lse = run_flexgen(q, k, v, score, None, scale=-0.2)
+        assert_matches(out, lse, q, k, v, score, None, scale=-0.2, seed=seed, what=f"scale=-0.2 score={score}")
 
 
 # ---------------------------------------------------------------- layouts, options, torch masks

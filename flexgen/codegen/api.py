@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import fields as dc_fields
 
 from .. import arch as archmod
-from ..dsl.ir import Node
+from ..dsl.ir import Node, buffers_of
 from .configs import CONFIG_FIELDS, choose_config
 from .spec import KernelSpec
 
@@ -48,12 +48,14 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
               arch: str | None = "sm_90a", **options) -> KernelSpec:
     target = archmod.jit_target() if arch is None else archmod.normalize(arch)
     dt = dtype_name(dtype)
-    cfg = choose_config(kind, head_dim, dt, target, **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
+    score_expr = as_expr(score_mod, "score")
+    cfg = choose_config(kind, head_dim, dt, target, score_reads_buffers=score_expr is not None and bool(buffers_of(score_expr)),
+                        **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
     fields = {k: options.pop(k) for k in list(options) if k in _SPEC_OPTIONS}
     if "grad_buffers" in fields:
         fields["grad_buffers"] = tuple(fields["grad_buffers"])
     extra = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))  # hashable
-    return KernelSpec(kind=kind, head_dim=head_dim, dtype=dt, arch=target, score_expr=as_expr(score_mod, "score"),
+    return KernelSpec(kind=kind, head_dim=head_dim, dtype=dt, arch=target, score_expr=score_expr,
                       mask_expr=as_expr(mask_mod, "mask"), extra=extra, **cfg, **fields)
 
 

@@ -13,16 +13,21 @@ CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 # kind, max head_dim, family (None: any) -> block_m, block_n, num_warps, num_stages
 TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     ("fwd", 64, None, (128, 64, 4, 2)),
-    ("fwd", 128, None, (128, 64, 4, 2)),
-    ("fwd", 256, None, (64, 64, 4, 2)),
+    ("fwd", 96, None, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
+    ("fwd", 128, None, (128, 64, 4, 1)),  # one K/V stage: 348 vs 330 TFLOP/s on full attention (H200, NOTES.md)
+    ("fwd", 256, None, (64, 32, 4, 2)),  # 64 x 64 double-buffered spills at D=256
     ("bwd", 64, None, (64, 128, 8, 2)),
     ("bwd", 128, None, (32, 128, 8, 2)),
     ("bwd", 256, None, (64, 64, 8, 2)),
 ]
 DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block masks)
+# A score_mod that loads from a buffer on every element (relative bias tables) needs address
+# registers next to the 128 x 64 tile's O and S, which then spills (sm_80 at D=64, every target above):
+# such forward kernels take 32-column KV tiles instead.
+SCORE_LOAD_FWD_BLOCK_N = 32
 
 
-def choose_config(kind: str, head_dim: int, dtype: str, arch: str, **overrides) -> dict:
+def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_reads_buffers: bool = False, **overrides) -> dict:
     """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table."""
     fam = family(arch)
     chosen = DEFAULT
@@ -31,6 +36,8 @@ def choose_config(kind: str, head_dim: int, dtype: str, arch: str, **overrides) 
             chosen = values
             break
     cfg = dict(zip(CONFIG_FIELDS, chosen))
+    if kind == "fwd" and score_reads_buffers:
+        cfg["block_n"] = min(cfg["block_n"], SCORE_LOAD_FWD_BLOCK_N)
     unknown = set(overrides) - set(CONFIG_FIELDS)
     if unknown:
         raise TypeError(f"unknown config field(s) {sorted(unknown)}; config fields are {CONFIG_FIELDS}")

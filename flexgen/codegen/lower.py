@@ -89,6 +89,7 @@ class LoweredMods:
     params: tuple[tuple[str, DType], ...]
     grad_buffers: tuple[str, ...]
     helpers: tuple[str, ...]  # names of the helper functions in mod_args_decl
+    mask_reads_buffers: bool = False  # the forward then evaluates the mask before QK^T (register pressure)
 
     @property
     def code(self) -> str:
@@ -156,7 +157,7 @@ _UNARY_FLOAT_FN = {
     "tanh": "fg_tanh", "sigmoid": "fg_sigmoid", "sin": "sinf", "cos": "cosf", "erf": "erff",
 }
 _INFIX = {"add": "+", "sub": "-", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
-          "ne": "!=", "and": "&&", "or": "||", "xor": "!="}
+          "ne": "!=", "and": "&", "or": "|", "xor": "!="}  # no short-circuit: branch-free masks
 
 
 def _unparen(text: str) -> str:
@@ -504,4 +505,5 @@ def lower_mods(spec) -> LoweredMods:
         params=tuple(params.items()),
         grad_buffers=tuple(spec.grad_buffers),
         helpers=tuple(sorted(h for h in helpers if h.startswith("fg_"))),
+        mask_reads_buffers=spec.mask_expr is not None and bool(buffers_of(spec.mask_expr)),
     )

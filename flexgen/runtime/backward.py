@@ -116,13 +116,16 @@ def shared_memory_bytes(spec: KernelSpec) -> int:
     return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
 
 
-def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None) -> dict:
-    """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles."""
+def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, **overrides) -> dict:
+    """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles.
+    `overrides` (block_m, block_n) come from kernel_options BLOCK_M1 / BLOCK_N1."""
     if head_dim not in HEAD_DIMS:
         raise NotImplementedError(
             f"flex_attention backward: head dim {head_dim} is not supported; supported head dims are {HEAD_DIMS}"
         )
-    cfg = choose_config("bwd", head_dim, "bf16", arch if arch in SMEM_LIMIT else "sm_80")
+    cfg = choose_config("bwd", head_dim, "bf16", arch if arch in SMEM_LIMIT else "sm_80", **overrides)
+    if "block_n" in overrides and "num_warps" not in overrides:
+        cfg["num_warps"] = max(4, cfg["block_n"] // 16)  # one warp per 16 key rows: no P^T / dX^T exchange
     bm, bn, warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
     per_rows = max(1, 16 * warps // bn)  # warps per 16 key rows
     if mask_block is not None:
@@ -234,10 +237,12 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     device = q.device
     stream = torch.cuda.current_stream(device).cuda_stream
 
+    from ..attention import bwd_tile_overrides
+
     base = make_spec("bwd", query, score, mask, None)
     if bm is not None:
         bm = _int32_lists(bm)
-    tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None)
+    tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None, **bwd_tile_overrides(kernel_options))
     spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, **tiles)
     pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
         block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)

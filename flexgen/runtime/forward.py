@@ -43,7 +43,11 @@ def fwd_params_type(mod_args_type: type) -> type:
 
 
 def shared_memory_bytes(spec: KernelSpec) -> int:
-    return (spec.block_m + 2 * spec.block_n) * (spec.head_dim + 8) * 2
+    stages = 2 if spec.num_stages >= 2 else 1  # K and V buffers each
+    tiles = (spec.block_m + 2 * stages * spec.block_n) * (spec.head_dim + 8) * 2
+    threads = 32 * spec.num_warps
+    words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)  # one bit per element of S (fwd.cu.j2: MASK_FIRST)
+    return tiles + 4 * threads * words_per_thread
 
 
 def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
