@@ -145,7 +145,7 @@ def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = Non
     # Shared memory: one Q stage instead of two, then fewer query rows (down to 32), then fewer
     # key rows, until the tile fits.
     while True:
-        for stages in (2, 1):
+        for stages in sorted({min(2, max(1, cfg["num_stages"])), 1}, reverse=True):
             cfg = {"block_m": bm, "block_n": bn, "num_warps": bn // 16 * per_rows, "num_stages": stages}
             probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=arch if arch in SMEM_LIMIT else "sm_80", **cfg)
             if shared_memory_bytes(probe) <= limit:

@@ -1,0 +1,44 @@
+"""One flexgen forward + backward, for a profiler to attach to (ncu, nsys, compute-sanitizer).
+
+    ncu --kernel-name regex:flexgen_bwd --launch-skip 1 --launch-count 1 --set detailed \
+        python benchmarks/profile_one.py --variant causal --seqlen 4096 --head-dim 128
+
+Runs the pair twice (the first call compiles and warms up), then synchronizes.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flexgen
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", default="none", choices=("none", "causal", "softcap-causal", "document"))
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=16)
+    args = p.parse_args()
+    n, d = args.seqlen, args.head_dim
+    q, k, v = (torch.randn(args.batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    score, bm = None, None
+    if args.variant == "softcap-causal":
+        score = flexgen.variants.softcap(30.0)
+    if args.variant in ("causal", "softcap-causal"):
+        bm = flexgen.create_block_mask(flexgen.variants.causal, None, None, n, n)
+    if args.variant == "document":
+        ids = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 6 + 1)
+        bm = flexgen.create_block_mask(flexgen.variants.document(ids), None, None, n, n)
+    for _ in range(2):
+        out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+        out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    print("ok", tuple(out.shape))
+
+
+if __name__ == "__main__":
+    main()
