@@ -89,19 +89,21 @@ def attention_bwd(
         q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
         grad_buffers=wanted, **_dropout_kwargs(dropout_p, rng),
     )
-    none = q.new_empty(0)
-    return (none if dq is None else dq, none if dk is None else dk, none if dv is None else dv,
-            [grads[n] for n in wanted])
+    return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), [grads[n] for n in wanted])
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """Op outputs cannot be None, nor alias each other: a fresh empty tensor stands for "not computed"."""
+    return like.new_empty(0) if t is None else t
 
 
 @attention_bwd.register_fake
 def _(q, k, v, out, lse, grad_out, *rest):
     buffers, need_q, need_k, need_v, buffer_grads = rest[8], rest[13], rest[14], rest[15], rest[16]
-    none = q.new_empty(0)
     dkv = k.new_empty(k.shape, dtype=q.dtype)
-    return (q.new_empty(q.shape) if need_q else none, dkv if need_k else none,
-            dkv.new_empty(dkv.shape) if need_v else none,
-            [buffers[i].new_empty(buffers[i].shape, dtype=torch.float32) for i in buffer_grads])
+    return (q.new_empty(q.shape) if need_q else q.new_empty(0), dkv if need_k else q.new_empty(0),
+            dkv.new_empty(dkv.shape) if need_v else q.new_empty(0),
+            [q.new_empty(buffers[i].shape, dtype=torch.float32) for i in buffer_grads])  # on q's device, fp32
 
 
 def _buffer_names(score, mask) -> tuple[str, ...]:
@@ -133,9 +135,16 @@ def _backward(ctx, grad_out, grad_lse):
         bool(need[0]), bool(need[1]), bool(need[2]), wanted,
     )
     by_index = dict(zip(wanted, grads))
-    buffer_grads = [by_index[i].to(buffers[i].device, buffers[i].dtype) if i in by_index else None for i in range(len(buffers))]
+    buffer_grads = [_like(by_index[i], buffers[i]) if i in by_index else None for i in range(len(buffers))]
     return ((dq if need[0] else None), (dk if need[1] else None), (dv if need[2] else None),
             *([None] * 8), buffer_grads, None, None, None, None)
+
+
+def _like(grad: Tensor, buffer: Tensor) -> Tensor:
+    """The kernels' fp32 gradient, on the buffer's device (it may live on the CPU) in its dtype."""
+    if grad.device.type == "meta":  # a shapes-only run: nothing to copy, the values are undefined anyway
+        return buffer.new_empty(grad.shape)
+    return grad.to(buffer.device, buffer.dtype)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

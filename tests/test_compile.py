@@ -113,6 +113,7 @@ def test_fake_kernels_shapes_and_dtypes():
             q, k, k, out, lse, out, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
         assert dq.shape == q.shape and dk.numel() == 0 and dv.shape == k.shape and dv.dtype == q.dtype
         assert len(grads) == 1 and grads[0].shape == buf.shape and grads[0].dtype == torch.float32
+        assert grads[0].device == q.device
 
 
 def test_opcheck_on_meta():
@@ -310,7 +311,8 @@ def _reference_grads(q, k, v, out, lse, grad_out, score, bm, mask, scale, kernel
     return dq, dk, dv, {n: next(grads).float() for n in grad_buffers}
 
 
-def test_inductor_end_to_end_with_a_cpu_stand_in_kernel(monkeypatch):
+@pytest.mark.parametrize("how,grads", [("mod", "all"), ("mod", "query_only"), ("init_lambda", "all")])
+def test_inductor_end_to_end_with_a_cpu_stand_in_kernel(monkeypatch, how, grads):
     """The default backend (AOTAutograd + inductor) with the kernels swapped for the float64
     reference on the CPU: compiled forward and gradients (slopes included) equal eager's."""
     from flexgen import attention
@@ -320,9 +322,9 @@ def test_inductor_end_to_end_with_a_cpu_stand_in_kernel(monkeypatch):
     monkeypatch.setattr(attention, "forward_call", _reference_forward)
     monkeypatch.setattr(backward, "backward_call", _reference_backward)
     torch._dynamo.reset()
-    module = Alibi("mod")
+    module = Alibi(how)
     mask = flexgen.create_block_mask(_causal, None, None, 128, 128, device="cpu")
-    x = [torch.randn(1, H, 128, 32, requires_grad=True) for _ in range(3)]
+    x = [torch.randn(1, H, 128, 32, requires_grad=grads == "all" or i == 0) for i in range(3)]
 
     def run(fn):
         module.slopes.grad = None
