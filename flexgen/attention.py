@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .blockmask import BlockMask, _as_mask_mod
+from .blockmask import BlockMask
 from .codegen.spec import HEAD_DIMS, KernelSpec
 from .dsl.mod import Mod
 
@@ -64,7 +64,7 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
             raise TypeError(f"flex_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"flex_attention: {name} must have shape (B, H, L, D), got {tuple(t.shape)}")
-    if query.device.type != "cuda":
+    if query.device.type not in ("cuda", "meta"):  # meta: shapes only (the ops' fake kernels)
         raise ValueError(
             "flex_attention runs generated CUDA kernels and needs CUDA tensors, got tensors on "
             f"{query.device}; for a CPU (float64) computation use flexgen.reference_attention"
@@ -208,11 +208,13 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     return out, lse
 
 
-def _element_mask(bm: BlockMask | None) -> Mod | None:
-    """The mask_mod partial tiles apply, traced once per function; None when there is none (noop)."""
-    if bm is None or bm.mask_mod is None:
+def _dropout_rng(dropout_p: float) -> torch.Tensor | None:
+    """(seed, offset) for the dropout kernels, from torch's default (CPU) generator: reproducible
+    under torch.manual_seed, no device sync, and an ordinary graph op under torch.compile."""
+    if dropout_p == 0.0:
         return None
-    return _as_mask_mod(_traced(bm.mask_mod, "mask"))
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    return torch.cat([seed, torch.zeros(1, dtype=torch.int64)])
 
 
 def flex_attention(
@@ -225,29 +227,52 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     kernel_options: dict | None = None,
+    dropout_p: float = 0.0,
 ):
     """Attention with a user score_mod and block mask, through generated FlashAttention kernels.
 
     Same arguments, shapes (B, H, L, D) and semantics as torch's flex_attention:
     score = q.k * scale (default 1/sqrt(D)), then score_mod(score, b, h, q_idx, kv_idx),
     then the block mask's mask_mod, softmax, times value. Returns out, or (out, lse)
-    with lse in natural log. Fully masked rows give 0 and lse = -inf.
+    with lse in natural log. Fully masked rows give 0 and lse = -inf. `dropout_p` drops
+    attention probabilities as given (pass 0.0 for evaluation), like SDPA's.
+
+    Runs through the torch.library ops flexgen::attention_fwd / attention_bwd
+    (flexgen/ops.py), so torch.compile(fullgraph=True) traces through it.
 
     >>> from flexgen import flex_attention, create_block_mask
     >>> causal = lambda b, h, q, kv: q >= kv
     >>> mask = create_block_mask(causal, None, None, 4096, 4096)
     >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), block_mask=mask)
     """
+    from .ops import attention_fwd, mask_tensors
+    from .variant import mod_parts, variant_key
+
     _check_inputs(query, key, value, enable_gqa)
-    score = _traced(score_mod, "score")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flex_attention: dropout_p must be in [0, 1), got {dropout_p}")
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
-    mask = _element_mask(bm)
+    score_parts = mod_parts(score_mod, "score")
+    mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
+    if score_parts is None or mask_parts is None:
+        return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                     kernel_options, dropout_p)
+    (score_token, score_buffers), (mask_token, mask_buffers) = score_parts, mask_parts
+    variant = variant_key(score_token, mask_token, tuple(bm.BLOCK_SIZE) if bm is not None else None,
+                          tuple(bm.seq_lengths) if bm is not None else None, kernel_options)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if scale < 0:
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
-    from .autograd import attention_with_grad
-
-    out, lse = attention_with_grad(query, key, value, score, bm, mask, float(scale), kernel_options)
+    out, lse = attention_fwd(query, key, value, *mask_tensors(bm), [*score_buffers, *mask_buffers], float(scale),
+                             variant, float(dropout_p), _dropout_rng(dropout_p))
     return (out, lse) if return_lse else out
+
+
+_flex_attention_eager = torch.compiler.disable(
+    flex_attention,
+    reason="flexgen.flex_attention: a score_mod/mask_mod defined inside the compiled function captures tensors or "
+    "modules, which dynamo cannot hand to flexgen's tracer; define it outside (in __init__ or at module level) or "
+    "pass a flexgen Mod (flexgen.score_mod(fn) built outside) to trace it with fullgraph=True",
+)

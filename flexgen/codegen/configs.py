@@ -17,7 +17,7 @@ TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     ("fwd", 128, None, (128, 64, 4, 1)),  # one K/V stage: 348 vs 330 TFLOP/s on full attention (H200, NOTES.md)
     ("fwd", 256, None, (64, 32, 4, 2)),  # 64 x 64 double-buffered spills at D=256
     ("bwd", 64, None, (64, 128, 8, 2)),
-    ("bwd", 128, None, (32, 128, 8, 2)),
+    ("bwd", 128, None, (32, 128, 8, 2)),  # 32 x 64 at two CTAs per SM measured the same (NOTES.md, bwd v2)
     ("bwd", 256, None, (64, 64, 8, 2)),
 ]
 DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block masks)

@@ -19,6 +19,18 @@ from .ir import BufferSpec, DType, Node, buffers_of, params_of
 from .printer import pretty
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+
+# token -> a Mod with that structure and those parameter values: torch.library ops carry
+# only the token and get the buffer tensors as inputs (flexgen/ops.py).
+_BY_TOKEN: dict[str, "Mod"] = {}
+
+
+def register_mod(mod: "Mod") -> None:
+    _BY_TOKEN.setdefault(mod.token, mod)
+
+
+def mod_for_token(token: str) -> "Mod":
+    return _BY_TOKEN[token]
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
 
@@ -39,6 +51,14 @@ class Mod:
             raise TypeError(f"a {self.kind}_mod must return {want.value}, got {self.expr.dtype.value}")
         object.__setattr__(self, "buffers", MappingProxyType(dict(self.buffers)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        # Plain attributes that torch.compile reads as constants / graph inputs (see flexgen/ops.py).
+        names = tuple(s.name for s in buffers_of(self.expr))
+        params = ",".join(f"{k}={v!r}" for k, v in sorted(self.params.items()))
+        object.__setattr__(self, "token", f"{self.kind}:{self.expr.digest}:{params}:{','.join(names)}")
+        object.__setattr__(self, "buffer_names", names)
+        object.__setattr__(self, "buffer_tensors", tuple(self.buffers.get(n) for n in names))
+        object.__setattr__(self, "is_noop", self.kind == "mask" and self.expr.op == "const" and self.expr.attr is True)
+        register_mod(self)
 
     @property
     def arg_names(self) -> tuple[str, ...]:

@@ -1,0 +1,150 @@
+"""flexgen attention as torch.library custom ops, so torch.compile(fullgraph=True) traces through it.
+
+    flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng)
+                            -> (out, lse)
+    flexgen::attention_bwd  (q, k, v, out, lse, grad_out, <8 block-mask tensors>, buffers, scale,
+                             variant, dropout_p, rng, need_q, need_k, need_v, buffer_grads)
+                            -> (dq, dk, dv, [d buffer for each index in buffer_grads])
+
+Ops carry only tensors and primitives: `variant` names an entry of flexgen.variant's registry
+(traced Mods, BLOCK_SIZE, seq_lengths, kernel_options). `rng` is a CPU int64 tensor
+(seed, offset) for dropout, or None. Gradients nobody needs come back as empty tensors,
+and the kernels do no work for them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .blockmask import BlockMask
+from .variant import variant
+
+MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def mask_tensors(bm: BlockMask | None) -> tuple:
+    return tuple(getattr(bm, f) for f in MASK_FIELDS) if bm is not None else (None,) * len(MASK_FIELDS)
+
+
+def _block_mask(v, tensors) -> BlockMask | None:
+    if tensors[0] is None:
+        return None
+    return BlockMask(v.seq_lengths, *tensors, v.block_size, None)
+
+
+def _dropout_kwargs(dropout_p: float, rng: Tensor | None) -> dict:
+    """Passed on only when dropout is on, so the dropout-free kernels and calls stay as they are."""
+    if dropout_p == 0.0:
+        return {}
+    seed, offset = rng.tolist()
+    return {"dropout_p": dropout_p, "philox": (int(seed), int(offset))}
+
+
+@torch.library.custom_op("flexgen::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor,
+    kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+    full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
+    q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
+    full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
+    buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    from .attention import forward_call
+
+    var = variant(variant_key)
+    score, mask = var.bind(buffers)
+    bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                           q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
+    return forward_call(q, k, v, score, bm, mask, scale, var.kernel_options, **_dropout_kwargs(dropout_p, rng))
+
+
+@attention_fwd.register_fake
+def _(q, k, v, *mask_and_rest):
+    b, h, lq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flexgen::attention_bwd", mutates_args=())
+def attention_bwd(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+    kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+    full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
+    q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
+    full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
+    buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
+    need_q: bool, need_k: bool, need_v: bool, buffer_grads: list[int],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    from .runtime.backward import backward_call
+
+    var = variant(variant_key)
+    score, mask = var.bind(buffers)
+    bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                           q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
+    names = _buffer_names(score, mask)
+    wanted = tuple(names[i] for i in buffer_grads)
+    dq, dk, dv, grads = backward_call(
+        q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
+        grad_buffers=wanted, **_dropout_kwargs(dropout_p, rng),
+    )
+    return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), [grads[n] for n in wanted])
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """Op outputs cannot be None, nor alias each other: a fresh empty tensor stands for "not computed"."""
+    return like.new_empty(0) if t is None else t
+
+
+@attention_bwd.register_fake
+def _(q, k, v, out, lse, grad_out, *rest):
+    buffers, need_q, need_k, need_v, buffer_grads = rest[8], rest[13], rest[14], rest[15], rest[16]
+    dkv = k.new_empty(k.shape, dtype=q.dtype)
+    return (q.new_empty(q.shape) if need_q else q.new_empty(0), dkv if need_k else q.new_empty(0),
+            dkv.new_empty(dkv.shape) if need_v else q.new_empty(0),
+            [q.new_empty(buffers[i].shape, dtype=torch.float32) for i in buffer_grads])  # on q's device, fp32
+
+
+def _buffer_names(score, mask) -> tuple[str, ...]:
+    return (score.buffer_names if score is not None else ()) + (mask.buffer_names if mask is not None else ())
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *rest = inputs
+    masks, buffers, scale, key, dropout_p, rng = rest[:8], rest[8], rest[9], rest[10], rest[11], rest[12]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *masks, *buffers)
+    ctx.n_buffers = len(buffers)
+    ctx.extra = (scale, key, dropout_p, rng)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    masks, buffers = rest[:8], rest[8:]
+    scale, key, dropout_p, rng = ctx.extra
+    need = ctx.needs_input_grad
+    need_buffers = need[11] if isinstance(need[11], (list, tuple)) else [need[11]] * ctx.n_buffers
+    wanted = [i for i, n in enumerate(need_buffers) if n]
+    dq, dk, dv, grads = attention_bwd(
+        q, k, v, out, lse, grad_out, *masks, list(buffers), scale, key, dropout_p, rng,
+        bool(need[0]), bool(need[1]), bool(need[2]), wanted,
+    )
+    by_index = dict(zip(wanted, grads))
+    buffer_grads = [_like(by_index[i], buffers[i]) if i in by_index else None for i in range(len(buffers))]
+    return ((dq if need[0] else None), (dk if need[1] else None), (dv if need[2] else None),
+            *([None] * 8), buffer_grads, None, None, None, None)
+
+
+def _like(grad: Tensor, buffer: Tensor) -> Tensor:
+    """The kernels' fp32 gradient, on the buffer's device (it may live on the CPU) in its dtype."""
+    if grad.device.type == "meta":  # a shapes-only run: nothing to copy, the values are undefined anyway
+        return buffer.new_empty(grad.shape)
+    return grad.to(buffer.device, buffer.dtype)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,228 @@
+"""From flex_attention's Python arguments to what the torch.library ops take: a variant key
+(a string) and the variant's buffer tensors.
+
+Under torch.compile dynamo must not run flexgen's tracer (it would try to trace it), yet the
+key must be a constant of the graph and the buffers graph inputs, so that gradients reach a
+learnable buffer. So:
+- a flexgen Mod carries its `token` and `buffer_tensors` as plain attributes: dynamo reads
+  them like any attribute (guarding the token by value, not the Mod by identity);
+- a function is traced by `_function_token` / `_buffer_paths`, marked assume_constant_result:
+  dynamo calls them once, at trace time, on the real function, and the buffers are fetched
+  again in traced code along the recorded paths (closure cell, module global, attribute);
+- a function made inside the compiled region whose closure holds tensors or modules has no
+  Python value dynamo can hand over: `_check_rebuildable` (a comptime hook) says so and
+  flex_attention graph-breaks into eager (an error under fullgraph=True, with the reason).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._dynamo.comptime import comptime
+
+from .dsl.mod import Mod, mod_for_token
+
+_PATH_DEPTH = 4
+_BOUND_PER_VARIANT = 8
+
+
+def _traced(fn, kind: str) -> Mod | None:
+    """The Mod of a score_mod / mask_mod; None for no score_mod and for a mask that keeps everything."""
+    from .attention import _traced as traced
+    from .blockmask import _as_mask_mod
+
+    mod = traced(fn, kind)
+    return _as_mask_mod(mod) if kind == "mask" else mod
+
+
+def _bound(func, owner):
+    return func if owner is None else types.MethodType(func, owner)
+
+
+@torch._dynamo.assume_constant_result
+def _function_token(kind: str, func, owner, ident: tuple) -> str:
+    """`ident`: ids of what the function captures, only so that dynamo guards on them."""
+    mod = _traced(_bound(func, owner), kind)
+    return "" if mod is None else mod.token
+
+
+@torch._dynamo.assume_constant_result
+def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
+    """For each buffer of the function's Mod, how to reach the tensor from it (see _follow)."""
+    fn = _bound(func, owner)
+    mod = _traced(fn, kind)
+    if mod is None:
+        return ()
+    paths = []
+    for name, tensor in zip(mod.buffer_names, mod.buffer_tensors):
+        path = _find(fn, tensor, 0, set())
+        if path is None:
+            raise RuntimeError(
+                f"flex_attention under torch.compile: cannot find where {kind}_mod {mod.name!r} keeps its tensor "
+                f"'{name}' (closure, globals, attributes); pass the variant as a flexgen Mod, e.g. "
+                f"flexgen.{kind}_mod(fn), built outside the compiled function"
+            )
+        paths.append(path)
+    return tuple(paths)
+
+
+def _children(obj) -> list[tuple[tuple, Any]]:
+    """(step, value) pairs _follow can take from obj."""
+    out: list[tuple[tuple, Any]] = []
+    if isinstance(obj, Mod):
+        return [(("mod", i), t) for i, t in enumerate(obj.buffer_tensors)]
+    if isinstance(obj, torch.nn.Module):
+        names = list(obj._parameters) + list(obj._buffers) + list(vars(obj))
+        return [(("attr", n), getattr(obj, n, None)) for n in names if not n.startswith("_")]
+    if hasattr(obj, "__self__") and hasattr(obj, "__func__"):
+        return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        for i, cell in enumerate(obj.__closure__ or ()):
+            try:
+                out.append((("closure", i), cell.cell_contents))
+            except ValueError:  # empty cell
+                pass
+        from .dsl.trace import _code_names
+
+        g = obj.__globals__
+        if getattr(sys.modules.get(getattr(obj, "__module__", None) or ""), "__dict__", None) is g:
+            out.extend((("global", n), g[n]) for n in _code_names(code) if n in g)
+    return out
+
+
+def _find(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:
+    if obj is target:
+        return ()
+    if depth >= _PATH_DEPTH or id(obj) in seen or isinstance(obj, (torch.Tensor, type)):
+        return None
+    seen.add(id(obj))
+    for step, child in _children(obj):
+        if child is target:
+            return (step,)
+        if callable(child) or isinstance(child, (Mod, torch.nn.Module)):
+            rest = _find(child, target, depth + 1, seen)
+            if rest is not None:
+                return (step,) + rest
+    return None
+
+
+def _follow(obj, path: tuple):
+    """Traced by dynamo: each step is an ordinary attribute or item access."""
+    for kind, arg in path:
+        if kind == "closure":
+            obj = obj.__closure__[arg].cell_contents
+        elif kind == "global":  # through the module: dynamo cannot read __globals__ of every function
+            obj = getattr(sys.modules[obj.__module__], arg)
+        elif kind == "mod":
+            obj = obj.buffer_tensors[arg]
+        else:
+            obj = getattr(obj, arg)
+    return obj
+
+
+def mod_parts(fn, kind: str) -> tuple[str, tuple] | None:
+    """(token, buffer tensors) of a score_mod or mask_mod; ("", ()) when there is none.
+    None under torch.compile for a function dynamo cannot hand over (see _compiled_parts)."""
+    if fn is None:
+        return "", ()
+    if isinstance(fn, Mod):
+        if fn.kind != kind:
+            raise TypeError(f"flex_attention: got a {fn.kind}_mod where a {kind}_mod belongs")
+        return ("", ()) if fn.is_noop else (fn.token, fn.buffer_tensors)
+    if torch.compiler.is_compiling():
+        return _compiled_parts(fn, kind)
+    mod = _traced(fn, kind)
+    return ("", ()) if mod is None else (mod.token, mod.buffer_tensors)
+
+
+# Function code site -> whether dynamo could rebuild a function made inside the compiled region
+# (written at trace time by _check_rebuildable, read by the traced code right after).
+_REBUILDABLE: dict[str, bool] = {}
+
+
+def _check_rebuildable(ctx) -> None:
+    fn = ctx.get_local("func")
+    try:
+        fn.as_python_constant()
+        ok = True
+    except Exception:  # a closure over tensors or modules: dynamo holds no Python value for it
+        ok = False
+    _REBUILDABLE[ctx.get_local("site").as_python_constant()] = ok
+
+
+def _compiled_parts(fn, kind: str):
+    """Traced by dynamo."""
+    func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
+    try:
+        # Readable only for functions made outside the compiled region. id() makes dynamo guard on
+        # each captured object, which is what the trace depends on (not on the function object).
+        ident = tuple(id(cell.cell_contents) for cell in func.__closure__ or ())
+    except AttributeError:
+        ident = ()
+        site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"
+        comptime(_check_rebuildable)
+        if not _REBUILDABLE[site]:
+            return None
+    token = _function_token(kind, func, owner, ident)
+    return token, tuple(_follow(fn, p) for p in _buffer_paths(kind, func, owner, ident))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a variant key stands for (everything the ops need that is not a tensor)."""
+
+    score: Mod | None
+    mask: Mod | None
+    block_size: tuple[int, int] | None
+    seq_lengths: tuple[int, int] | None
+    kernel_options: dict
+
+    bound: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bind(self, buffers) -> tuple[Mod | None, Mod | None]:
+        """The score and mask Mods with this call's buffer tensors. Kept per buffer identity
+        (the entries hold the tensors, so an id cannot be reused while cached)."""
+        ids = tuple(id(t) for t in buffers)
+        hit = self.bound.get(ids)
+        if hit is None:
+            if len(self.bound) >= _BOUND_PER_VARIANT:
+                self.bound.clear()
+            n = len(self.score.buffer_names) if self.score is not None else 0
+            score = self.score and _with_buffers(self.score, buffers[:n])
+            mask = self.mask and _with_buffers(self.mask, buffers[n:])
+            hit = self.bound[ids] = (score, mask, tuple(buffers))
+        return hit[0], hit[1]
+
+
+def _with_buffers(mod: Mod, tensors) -> Mod:
+    import dataclasses
+
+    return dataclasses.replace(mod, buffers=dict(zip(mod.buffer_names, tensors)))
+
+
+_VARIANTS: dict[str, Variant] = {}
+
+
+@torch._dynamo.assume_constant_result
+def variant_key(score_token: str, mask_token: str, block_size, seq_lengths, kernel_options) -> str:
+    """The key the ops carry; registers what it stands for."""
+    options = tuple(sorted((kernel_options or {}).items()))
+    key = repr((score_token, mask_token, block_size, seq_lengths, options))
+    if key not in _VARIANTS:
+        _VARIANTS[key] = Variant(
+            mod_for_token(score_token) if score_token else None,
+            mod_for_token(mask_token) if mask_token else None,
+            block_size, seq_lengths, dict(options),
+        )
+    return key
+
+
+def variant(key: str) -> Variant:
+    try:
+        return _VARIANTS[key]
+    except KeyError:
+        raise RuntimeError(f"flexgen: unknown variant key {key!r}; keys are made by flex_attention in this process") from None

@@ -1,0 +1,340 @@
+"""torch.compile and the flexgen::attention_fwd / attention_bwd ops, on the CPU.
+
+The kernels need CUDA, so these run on meta tensors: the ops' fake kernels give shapes, and
+what is checked is the traced graph (no graph break, the flexgen ops in it, buffers as graph
+inputs, the gradient flags the backward gets). tests/test_gpu_compile.py runs the kernels.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flexgen
+from flexgen import ops  # noqa: F401  (registers the ops)
+from flexgen.variant import variant
+
+B, H, L, D = 2, 4, 256, 64
+META = "meta"
+
+
+def qkv(requires_grad=(True, True, True), heads_kv=H):
+    shapes = ((B, H, L, D), (B, heads_kv, L, D), (B, heads_kv, L, D))
+    return [torch.randn(s, device=META, dtype=torch.bfloat16, requires_grad=g) for s, g in zip(shapes, requires_grad)]
+
+
+class Recorder:
+    """A dynamo backend that keeps the forward graphs and, through AOTAutograd, the backward ones."""
+
+    def __init__(self, aot: bool = False):
+        self.graphs, self.fw, self.bw = [], [], []
+        self.aot = aot
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        if not self.aot:
+            return gm.forward
+
+        def keep(store):
+            def compiler(g, _):
+                store.append(g)
+                return make_boxed_func(g.forward)
+            return compiler
+
+        return aot_autograd(fw_compiler=keep(self.fw), bw_compiler=keep(self.bw))(gm, example_inputs)
+
+
+def targets(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def compiled(module, backend=None, fullgraph=True):
+    torch._dynamo.reset()
+    backend = backend or Recorder()
+    return torch.compile(module, backend=backend, fullgraph=fullgraph), backend
+
+
+def softcap_in_forward():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            cap = 30.0
+            return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+    return M()
+
+
+class Alibi(nn.Module):
+    """ALiBi with learnable slopes, the score_mod spelled `how`."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(H))
+        self.how = how
+        if how == "init_lambda":
+            self.score_mod = lambda s, b, h, qi, ki: s + self.slopes[h] * (ki - qi)
+        elif how == "mod":
+            self.score_mod = flexgen.variants.alibi(self.slopes)
+
+    def method(self, s, b, h, qi, ki):
+        return s + self.slopes[h] * (ki - qi)
+
+    def forward(self, q, k, v):
+        if self.how == "in_forward":
+            slopes = self.slopes
+
+            def alibi(s, b, h, qi, ki):
+                return s + slopes[h] * (ki - qi)
+            return flexgen.flex_attention(q, k, v, score_mod=alibi)
+        fn = self.method if self.how == "method" else self.score_mod
+        return flexgen.flex_attention(q, k, v, score_mod=fn)
+
+
+class Masked(nn.Module):
+    def forward(self, q, k, v, block_mask):
+        return flexgen.flex_attention(q, k, v, block_mask=block_mask)
+
+
+# ---------------------------------------------------------------- fake kernels and schema
+
+
+def test_fake_kernels_shapes_and_dtypes():
+    with FakeTensorMode():
+        q = torch.empty(B, H, L, D, dtype=torch.bfloat16)
+        k = torch.empty(B, 2, 128, D, dtype=torch.bfloat16)
+        buf = torch.empty(H, 7, dtype=torch.float16)
+        masks = [None] * 8
+        out, lse = torch.ops.flexgen.attention_fwd(q, k, k, *masks, [buf], 0.1, "unused", 0.0, None)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert lse.shape == (B, H, L) and lse.dtype == torch.float32
+        dq, dk, dv, grads = torch.ops.flexgen.attention_bwd(
+            q, k, k, out, lse, out, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
+        assert dq.shape == q.shape and dk.numel() == 0 and dv.shape == k.shape and dv.dtype == q.dtype
+        assert len(grads) == 1 and grads[0].shape == buf.shape and grads[0].dtype == torch.float32
+        assert grads[0].device == q.device
+
+
+def test_opcheck_on_meta():
+    q, k, v = qkv()
+    slopes = torch.rand(H, device=META, requires_grad=True)
+    args = (q, k, v, *([None] * 8), [slopes], 0.125, "unused", 0.0, None)
+    torch.library.opcheck(torch.ops.flexgen.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_eager_meta_backward_respects_needs_input_grad(monkeypatch):
+    calls = []
+    real = torch.ops.flexgen.attention_bwd.default
+
+    def spy(*args):
+        calls.append(args[-4:])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "attention_bwd", spy)
+    q, k, v = qkv(requires_grad=(True, False, False))
+    flexgen.flex_attention(q, k, v).sum().backward()
+    assert calls == [(True, False, False, [])]
+    assert q.grad is not None and k.grad is None
+
+
+def test_cpu_inputs_still_point_to_reference():
+    q = torch.randn(1, 1, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="reference_attention"):
+        flexgen.flex_attention(q, q, q)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
+def test_dropout_p_range(p):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dropout_p"):
+        flexgen.flex_attention(q, k, v, dropout_p=p)
+
+
+# ---------------------------------------------------------------- torch.compile, fullgraph
+
+
+@pytest.mark.parametrize("make", [lambda: Masked(), softcap_in_forward], ids=["no_score_mod", "softcap_lambda"])
+def test_fullgraph_simple(make):
+    module = make()
+    fn, rec = compiled(module)
+    q, k, v = qkv()
+    out = fn(q, k, v, None) if isinstance(module, Masked) else fn(q, k, v)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad is not None
+    assert targets(rec.graphs[0]).count("flexgen.attention_fwd.default") == 1
+
+
+@pytest.mark.parametrize("how", ["init_lambda", "method", "mod"])
+def test_fullgraph_learnable_alibi(how):
+    module = Alibi(how)
+    fn, rec = compiled(module, Recorder(aot=True))
+    q, k, v = qkv()
+    fn(q, k, v).sum().backward()
+    (node,) = [n for n in rec.graphs[0].graph.nodes if str(n.target) == "flexgen.attention_fwd.default"]
+    (buffer,) = node.args[11]
+    assert buffer.op == "placeholder"  # the slopes are a graph input, so their gradient flows
+    assert module.slopes.grad is not None and module.slopes.grad.shape == (H,)
+    assert "flexgen.attention_bwd.default" in targets(rec.bw[0])
+
+
+def test_score_mod_capturing_a_tensor_inside_forward_breaks_the_graph_clearly():
+    fn, _ = compiled(Alibi("in_forward"))
+    with pytest.raises(Exception, match="define it outside"):
+        fn(*qkv())
+    # without fullgraph: one graph break, correct gradients, compiled once for every step
+    module = Alibi("in_forward")
+    fn, rec = compiled(module, fullgraph=False)
+    counters.clear()
+    for _ in range(3):
+        fn(*qkv()).sum().backward()
+    assert module.slopes.grad is not None
+    assert len(rec.graphs) == 1 and "flexgen.attention_fwd.default" in targets(rec.graphs[0])
+
+
+BIAS = torch.rand(H, requires_grad=True)
+
+
+def test_fullgraph_lambda_reading_a_global_tensor():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + BIAS[h])
+
+    BIAS.grad = None
+    fn, _ = compiled(M())
+    fn(*qkv()).sum().backward()
+    assert BIAS.grad is not None
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _document_mask():
+    ids = torch.repeat_interleave(torch.arange(4), L // 4).to(torch.int32)
+    return flexgen.create_block_mask(flexgen.variants.document(ids), None, None, L, L, device="cpu").to(META)
+
+
+@pytest.mark.parametrize("kind", ["flexgen_causal", "flexgen_document", "torch_causal"])
+def test_fullgraph_block_mask_made_outside(kind):
+    if kind == "flexgen_causal":
+        mask = flexgen.create_block_mask(_causal, None, None, L, L, device="cpu").to(META)
+    elif kind == "flexgen_document":
+        mask = _document_mask()
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mask = create_block_mask(_causal, None, None, L, L, device="cpu").to(META)
+    fn, rec = compiled(Masked(), Recorder(aot=True))
+    q, k, v = qkv()
+    fn(q, k, v, mask).sum().backward()
+    assert q.grad is not None
+    (node,) = [n for n in rec.graphs[0].graph.nodes if str(n.target) == "flexgen.attention_fwd.default"]
+    key = node.args[13]
+    assert variant(key).mask is not None and variant(key).block_size == (128, 128)
+    if kind == "flexgen_document":
+        assert len(node.args[11]) == 1  # the document ids are a graph input
+
+
+def test_steps_do_not_retrace():
+    module = Alibi("mod")
+    fn, rec = compiled(module)
+    for _ in range(4):
+        fn(*qkv()).sum().backward()
+    assert len(rec.graphs) == 1
+
+
+def test_layers_with_their_own_mods_share_one_graph():
+    layers = nn.ModuleList(Alibi("mod") for _ in range(3))
+
+    class Stack(nn.Module):
+        def forward(self, q, k, v):
+            for layer in layers:
+                q = layer(q, k, v)
+            return q
+
+    fn, rec = compiled(Stack())
+    fn(*qkv()).sum().backward()
+    (gm,) = rec.graphs
+    assert targets(gm).count("flexgen.attention_fwd.default") == 3
+    assert all(layer.slopes.grad is not None for layer in layers)
+
+
+def test_only_query_grad_under_compile_asks_no_dk_dv():
+    fn, rec = compiled(Masked(), Recorder(aot=True))
+    q, k, v = qkv(requires_grad=(True, False, False))
+    fn(q, k, v, None).sum().backward()
+    (node,) = [n for n in rec.bw[0].graph.nodes if str(n.target) == "flexgen.attention_bwd.default"]
+    assert node.args[-4:-1] == (True, False, False)
+
+
+def test_dropout_under_compile_draws_rng_in_graph():
+    class Drop(nn.Module):
+        def forward(self, q, k, v):
+            return flexgen.flex_attention(q, k, v, dropout_p=0.1)
+
+    fn, rec = compiled(Drop())
+    q, k, v = qkv()
+    fn(q, k, v)
+    names = targets(rec.graphs[0])
+    assert any("randint" in t for t in names) and "flexgen.attention_fwd.default" in names
+
+
+# ---------------------------------------------------------------- inductor, with a stand-in kernel
+
+
+def _reference_forward(q, k, v, score, bm, mask, scale, kernel_options, **_):
+    out, lse = flexgen.reference_attention(q, k, v, score_mod=score, mask_mod=mask, scale=scale, return_lse=True)
+    return out.to(q.dtype), lse
+
+
+def _reference_backward(*args, **kwargs):
+    """Autograd is switched off inside an op's kernel (thread-local): run it on another thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_reference_grads, *args, **kwargs).result()
+
+
+def _reference_grads(q, k, v, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs, grad_buffers=(), **_):
+    import dataclasses
+
+    with torch.enable_grad():
+        qkv64 = [t.detach().double().requires_grad_(bool(n)) for t, n in zip((q, k, v), needs)]
+        bufs = {n: score.buffers[n].detach().double().requires_grad_() for n in grad_buffers}
+        score64 = dataclasses.replace(score, buffers={**score.buffers, **bufs}) if score is not None else None
+        ref = flexgen.reference_attention(*qkv64, score_mod=score64, mask_mod=mask, scale=scale)
+        wrt = [t for t in qkv64 if t.requires_grad] + list(bufs.values())
+        grads = iter(torch.autograd.grad(ref, wrt, grad_out.double()))
+    dq, dk, dv = (next(grads).to(q.dtype) if n else None for n in needs)
+    return dq, dk, dv, {n: next(grads).float() for n in grad_buffers}
+
+
+@pytest.mark.parametrize("how,grads", [("mod", "all"), ("mod", "query_only"), ("init_lambda", "all")])
+def test_inductor_end_to_end_with_a_cpu_stand_in_kernel(monkeypatch, how, grads):
+    """The default backend (AOTAutograd + inductor) with the kernels swapped for the float64
+    reference on the CPU: compiled forward and gradients (slopes included) equal eager's."""
+    from flexgen import attention
+    from flexgen.runtime import backward
+
+    monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention, "forward_call", _reference_forward)
+    monkeypatch.setattr(backward, "backward_call", _reference_backward)
+    torch._dynamo.reset()
+    module = Alibi(how)
+    mask = flexgen.create_block_mask(_causal, None, None, 128, 128, device="cpu")
+    x = [torch.randn(1, H, 128, 32, requires_grad=grads == "all" or i == 0) for i in range(3)]
+
+    def run(fn):
+        module.slopes.grad = None
+        for t in x:
+            t.grad = None
+        out = fn(*x)
+        out.sum().backward()
+        return [out.detach(), *(t.grad for t in x), module.slopes.grad]
+
+    masked = lambda q, k, v: flexgen.flex_attention(q, k, v, score_mod=module.score_mod, block_mask=mask)  # noqa: E731
+    eager = run(masked)
+    for got, want in zip(run(torch.compile(masked, fullgraph=True)), eager):
+        torch.testing.assert_close(got, want)

@@ -1,0 +1,137 @@
+"""flexgen attention under torch.compile(fullgraph=True, inductor) on the GPU.
+
+Compiled forward and backward equal eager flexgen's (same ops, same kernels), and the
+float64 reference within test_gpu_backward's error contract; learnable ALiBi slopes get
+gradients; a training loop compiles each kernel once; the backward does no dK/dV work when
+only the query needs a gradient.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flexgen
+from flexgen.cache import jit
+from test_gpu_backward import assert_grads_match, fresh_seed, lowp_grads, reference_grads
+
+gpu = pytest.mark.gpu
+DEV = "cuda"
+B, H, L, D = 2, 4, 384, 64
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+class Attention(nn.Module):
+    """ALiBi with learnable slopes (a flexgen Mod or a function kept on the module), causal mask."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.slopes = nn.Parameter(flexgen.variants.alibi_slopes(H).to(DEV))
+        if how == "mod":
+            self.score_mod = flexgen.variants.alibi(self.slopes)
+        else:
+            self.score_mod = lambda s, b, h, qi, ki: s + self.slopes[h] * (ki - qi)
+
+    def forward(self, q, k, v, block_mask):
+        return flexgen.flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask)
+
+
+def _inputs(dtype=torch.bfloat16):
+    fresh_seed()
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=dtype) for _ in range(3))
+    return q, k, v, torch.randn(B, H, L, D, device=DEV, dtype=dtype)
+
+
+def _run(fn, module, q, k, v, do, bm):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    module.slopes.grad = None
+    out = fn(q, k, v, bm)
+    out.backward(do)
+    torch.cuda.synchronize()
+    return out.detach(), [q.grad, k.grad, v.grad, module.slopes.grad.clone()]
+
+
+@gpu
+@pytest.mark.parametrize("how", ["mod", "init_lambda"])
+def test_compiled_equals_eager_and_reference(how, isolated_kernel_cache):
+    torch._dynamo.reset()
+    module = Attention(how)
+    bm = flexgen.create_block_mask(_causal, None, None, L, L, device=DEV)
+    q, k, v, do = _inputs()
+    out_e, grads_e = _run(module, module, q, k, v, do, bm)
+    out_c, grads_c = _run(torch.compile(module, fullgraph=True), module, q, k, v, do, bm)
+    torch.testing.assert_close(out_c, out_e, atol=0, rtol=0)
+    for name, gc, ge in zip(("dq", "dk", "dv", "dslopes"), grads_c, grads_e):
+        # dq and the slope gradient are summed with atomics: equal up to the order of additions
+        tol = {} if name in ("dq", "dslopes") else {"atol": 0, "rtol": 0}
+        torch.testing.assert_close(gc, ge, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    score = flexgen.variants.alibi(module.slopes.detach())
+    scale = D ** -0.5
+    ref = reference_grads(q, k, v, do, score, _causal, scale, False, ["alibi_slopes"])
+    base = lowp_grads(q, k, v, do, score, _causal, scale, ["alibi_slopes"])
+    assert_grads_match(grads_c[:3], ref[:3], base[:3], ["dq", "dk", "dv"], f"compiled {how}")
+    assert grads_c[3].abs().sum() > 0
+
+
+@gpu
+def test_training_steps_compile_each_kernel_once(isolated_kernel_cache, monkeypatch):
+    torch._dynamo.reset()
+    jit.clear_memory()
+    loads: dict = {}
+    real = jit._load_or_build
+
+    def counting(spec, *args):
+        loads[spec] = loads.get(spec, 0) + 1
+        return real(spec, *args)
+
+    monkeypatch.setattr(jit, "_load_or_build", counting)
+    module = Attention("mod")
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    step = torch.compile(module, fullgraph=True)
+    bm = flexgen.create_block_mask(_causal, None, None, L, L, device=DEV)
+    for _ in range(5):
+        q, k, v, do = _inputs()
+        q.requires_grad_()
+        opt.zero_grad()
+        step(q, k, v, bm).backward(do)
+        opt.step()
+    torch.cuda.synchronize()
+    assert loads and all(n == 1 for n in loads.values()), loads
+    assert {s.kind for s in loads} >= {"fwd", "bwd", "bwd_preprocess", "bwd_postprocess"}
+
+
+@gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_query_grad_only_does_no_dk_dv_work(compiled, monkeypatch):
+    torch._dynamo.reset()
+    from flexgen.runtime import backward as bwd
+
+    seen = []
+    real = bwd.backward_call
+
+    def spy(*args, **kwargs):
+        seen.append((tuple(args[11]), tuple(kwargs.get("grad_buffers", ()))))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd, "backward_call", spy)
+    q, k, v, do = _inputs()
+    q.requires_grad_()
+    fn = lambda q, k, v: flexgen.flex_attention(q, k, v)  # noqa: E731
+    out = (torch.compile(fn, fullgraph=True) if compiled else fn)(q, k, v)
+    out.backward(do)
+    assert seen == [((True, False, False), ())]
+    assert q.grad is not None and k.grad is None and v.grad is None
+
+
+@gpu
+def test_torch_block_mask_compiled(isolated_kernel_cache):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch._dynamo.reset()
+    bm = create_block_mask(_causal, None, None, L, L, device=DEV)
+    q, k, v, _ = _inputs()
+    fn = torch.compile(lambda q, k, v, m: flexgen.flex_attention(q, k, v, block_mask=m), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v, bm), flexgen.flex_attention(q, k, v, block_mask=bm), atol=0, rtol=0)
