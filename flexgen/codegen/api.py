@@ -48,7 +48,8 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
               arch: str | None = "sm_90a", **options) -> KernelSpec:
     target = archmod.jit_target() if arch is None else archmod.normalize(arch)
     dt = dtype_name(dtype)
-    cfg = choose_config(kind, head_dim, dt, target, **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
+    cfg = choose_config(kind, head_dim, dt, target, dropout=bool(options.get("dropout", False)),
+                        **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
     fields = {k: options.pop(k) for k in list(options) if k in _SPEC_OPTIONS}
     if "grad_buffers" in fields:
         fields["grad_buffers"] = tuple(fields["grad_buffers"])
