@@ -177,3 +177,29 @@ def test_dropout_code_only_with_spec_dropout(kind):
         assert word not in plain.lower()
         assert word in with_dropout
     assert "dropout_keep_bits" in with_dropout
+
+
+@pytest.mark.parametrize("bad", [-0.5, 1.0, float("nan")])
+def test_calls_reject_bad_dropout_before_any_kernel(bad):
+    from flexgen.attention import forward_call
+    from flexgen.runtime.backward import backward_call
+
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="0 <= dropout_p < 1"):
+        forward_call(q, q, q, None, None, None, 0.125, None, dropout_p=bad, philox=(0, 0))
+    with pytest.raises(ValueError, match="0 <= dropout_p < 1"):
+        backward_call(q, q, q, q, q[..., 0].float(), q, None, None, None, 0.125, None, (True,) * 3,
+                      dropout_p=bad, philox=(0, 0))
+    with pytest.raises(ValueError, match="philox"):
+        forward_call(q, q, q, None, None, None, 0.125, None, dropout_p=0.1)
+
+
+def test_dropout_tiles():
+    """Dropout kernels get their own tile where the default sits at the register limit."""
+    from flexgen.codegen.api import make_spec
+
+    plain = make_spec("fwd", head_dim=128, arch="sm_90a")
+    dropped = make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True)
+    assert (dropped.block_m, dropped.block_n) == (plain.block_m, plain.block_n)  # block masks fit both alike
+    assert dropped.num_warps == 8 and dropped.dropout and not plain.dropout
+    assert make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, num_warps=4).num_warps == 4  # overrides win
