@@ -202,4 +202,6 @@ def test_dropout_tiles():
     dropped = make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True)
     assert (dropped.block_m, dropped.block_n) == (plain.block_m, plain.block_n)  # block masks fit both alike
     assert dropped.num_warps == 8 and dropped.dropout and not plain.dropout
+    at_64 = make_spec("fwd", head_dim=64, arch="sm_90a")
+    assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True) == at_64.with_(dropout=True)  # already fits
     assert make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, num_warps=4).num_warps == 4  # overrides win

@@ -73,8 +73,12 @@ __device__ __forceinline__ unsigned dropout_keep_bits(unsigned long long seed, u
                                                       int q_len) {
     const int odd = (threadIdx.x / 4) & 1;  // parity of this lane's outer index
     const PhiloxWords g = dropout_group_words(seed, offset, b, h, q, kv, num_heads, q_len);
-    // Word of (outer parity o, inner parity c) in the group.
-    auto word = [&](int o, int c) { return OUTER_IS_Q ? g.w[2 * o + c] : g.w[2 * c + o]; };
+    // Word of (outer parity o, inner parity c) in the group. Selects, not g.w[index]: an index
+    // unknown at compile time would put g in local memory.
+    auto word = [&](int o, int c) {
+        const int i = OUTER_IS_Q ? 2 * o + c : 2 * c + o;
+        return i == 0 ? g.w[0] : i == 1 ? g.w[1] : i == 2 ? g.w[2] : g.w[3];
+    };
     const unsigned mine0 = word(odd, 0), mine1 = word(odd, 1);
     const unsigned theirs0 = __shfl_xor_sync(0xffffffffu, word(odd ^ 1, 0), 4);
     const unsigned theirs1 = __shfl_xor_sync(0xffffffffu, word(odd ^ 1, 1), 4);
