@@ -124,7 +124,8 @@ def _check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
         raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
 
 
-def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None) -> KernelSpec:
+def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
+              dropout: bool = False) -> KernelSpec:
     from .arch import current_arch
     from .codegen.configs import choose_config
 
@@ -145,13 +146,15 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     dtype = _DTYPES[query.dtype]
     head_dim = query.shape[-1]
     arch = current_arch(query.device)
-    cfg = choose_config(kind, head_dim, dtype, arch, score_reads_buffers=bool(score is not None and score.buffers), **overrides)
+    cfg = choose_config(kind, head_dim, dtype, arch, score_reads_buffers=bool(score is not None and score.buffers),
+                        dropout=dropout, **overrides)
     return KernelSpec(
         kind=kind, head_dim=head_dim, dtype=dtype, arch=arch,
         block_m=cfg["block_m"], block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         score_expr=score.expr if score is not None else None,
         mask_expr=mask.expr if mask is not None else None,
         deterministic=deterministic and kind.startswith("bwd"),
+        dropout=dropout,
         extra=extra,
     )
 
@@ -187,14 +190,20 @@ def mod_arguments(score: Mod | None, mask: Mod | None, device: torch.device) -> 
     return {n: _on_device(t, device) for n, t in buffers.items()}, params
 
 
-def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options):
-    """Validated inputs -> (out, lse) through the generated forward kernel."""
+def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options,
+                 dropout_p: float = 0.0, philox: tuple[int, int] | None = None):
+    """Validated inputs -> (out, lse) through the generated forward kernel.
+
+    dropout_p > 0: attention dropout with the keep mask drawn from philox = (seed, offset)
+    (flexgen/dropout.py); lse stays that of the un-dropped softmax."""
     from .cache import get_kernel
     from .codegen.cstruct import pack_mod_args
     from .codegen.lower import lower_mods
+    from .dropout import check_dropout
     from .runtime.forward import launch_forward
 
-    spec = make_spec("fwd", query, score, mask, kernel_options)
+    dropout_p, philox = check_dropout(dropout_p, philox)
+    spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0)
     if bm is not None:
         _check_block_mask(bm, query, key, spec)
     kernel = get_kernel(spec)
@@ -204,7 +213,7 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     b, h, lq, d = q.shape
     out = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm)
+    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
     return out, lse
 
 

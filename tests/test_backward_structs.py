@@ -129,3 +129,29 @@ def test_tiles_fit_shared_memory(head_dim, arch):
     spec = make_spec("bwd", head_dim=head_dim, arch=arch, **cfg)
     assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
     assert spec.block_n % 16 == 0 and spec.num_warps * 16 % spec.block_n == 0 or spec.block_n % (16 * spec.num_warps) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", ["none", "causal", "alibi_learnable"])
+def test_bwd_dropout_struct_size_and_no_spills(name, head_dim, arch):
+    score, mask, grads = _variants()[name]
+    tiles = bw.bwd_tiles(head_dim, arch, dropout=True)
+    spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch=arch, grad_buffers=grads, dropout=True,
+                     **tiles)
+    kernel = jit.get_kernel(spec)
+    assert "dropout_keep_bits" in kernel.source
+    assert not has_spills(kernel.resources), f"dropout {name} D={head_dim} on {arch} spills: {kernel.resources}"
+    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads), True)
+    assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
+    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_bwd_dropout_other_head_dims(head_dim):
+    score, mask, grads = _variants()["alibi_learnable"]
+    tiles = bw.bwd_tiles(head_dim, "sm_90a", dropout=True)
+    spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a", grad_buffers=grads,
+                     dropout=True, **tiles)
+    resources = jit.get_kernel(spec).resources
+    assert not has_spills(resources), f"dropout D={head_dim} tile {spec.block_m}x{spec.block_n}: {resources}"

@@ -84,3 +84,29 @@ def test_fwd_double_buffered_kv_has_no_spills(name):
     spec = make_spec("fwd", score, mask, head_dim=128, dtype="bf16", arch="sm_90a", num_stages=2)
     resources = jit.get_kernel(spec).resources
     assert not has_spills(resources), f"{name} with two K/V stages spills: {resources}"
+
+
+# Dropout kernels (spec.dropout): their own tile (configs.DROPOUT_TABLE), spill-free at every head dim.
+DROPOUT_VARIANTS = {"none": (None, None), "causal": (None, V.causal), "alibi_causal": (V.alibi(4), V.causal)}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", list(DROPOUT_VARIANTS))
+def test_fwd_dropout_compiles_without_spills(name, head_dim, arch):
+    score, mask = DROPOUT_VARIANTS[name]
+    spec = make_spec("fwd", score, mask, head_dim=head_dim, dtype="bf16", arch=arch, dropout=True)
+    kernel = jit.get_kernel(spec)
+    assert "dropout_keep_bits" in kernel.source
+    buffers = score.buffers if score else {}
+    mod_args = pack_mod_args(lower_mods(spec), buffers, {}, check_device=False)
+    assert ctypes.sizeof(fwd_params_type(type(mod_args), True)) == _param_bytes(kernel.ptx, spec.entry_name)
+    assert ctypes.sizeof(fwd_params_type(type(mod_args), True)) > ctypes.sizeof(fwd_params_type(type(mod_args)))
+    assert not has_spills(kernel.resources), f"dropout {name} D={head_dim} on {arch} spills: {kernel.resources}"
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(32, "fp16"), (96, "bf16"), (256, "bf16")])
+def test_fwd_dropout_other_head_dims(head_dim, dtype):
+    spec = make_spec("fwd", V.softcap(20.0), V.causal, head_dim=head_dim, dtype=dtype, arch="sm_90a", dropout=True)
+    resources = jit.get_kernel(spec).resources
+    assert not has_spills(resources), f"dropout D={head_dim}: {resources}"

@@ -26,12 +26,23 @@ DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block mask
 # such forward kernels take 32-column KV tiles instead.
 SCORE_LOAD_FWD_BLOCK_N = 32
 
+# Kernels with dropout (spec.dropout) hold Philox state next to the tile: where the default sits
+# at the register limit, fewer rows per warp (forward: one 16-row MMA tile per warp), so that
+# they compile without spills. Consulted before TABLE; head dims past its rows fall through.
+DROPOUT_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
+    ("fwd", 64, None, (128, 64, 4, 2)),
+    ("fwd", 128, None, (128, 64, 8, 2)),
+    ("bwd", 32, None, (64, 128, 8, 2)),
+    ("bwd", 128, None, (32, 128, 8, 2)),
+]
 
-def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_reads_buffers: bool = False, **overrides) -> dict:
+
+def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_reads_buffers: bool = False, dropout: bool = False,
+                  **overrides) -> dict:
     """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table."""
     fam = family(arch)
     chosen = DEFAULT
-    for row_kind, max_d, row_family, values in TABLE:
+    for row_kind, max_d, row_family, values in (DROPOUT_TABLE + TABLE if dropout else TABLE):
         if row_kind == kind and head_dim <= max_d and row_family in (None, fam):
             chosen = values
             break

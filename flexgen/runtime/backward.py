@@ -28,7 +28,7 @@ import torch
 from ..attention import mod_arguments
 from ..codegen.configs import choose_config
 from ..codegen.spec import HEAD_DIMS, KernelSpec
-from .forward import LOG2E, _bh_strides
+from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, set_dropout
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_longlong
@@ -73,9 +73,9 @@ def _struct(name: str, fields: list, mod_args_type: type) -> type:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_params_type(mod_args_type: type) -> type:
+def bwd_params_type(mod_args_type: type, dropout: bool = False) -> type:
     """The ctypes mirror of BwdParams (templates/sm80/bwd.cu.j2) for one ModArgs layout."""
-    return _struct("BwdParams", _BWD_FIELDS, mod_args_type)
+    return _struct("BwdParams", _BWD_FIELDS + (DROPOUT_FIELDS if dropout else []), mod_args_type)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,14 +116,15 @@ def shared_memory_bytes(spec: KernelSpec) -> int:
     return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
 
 
-def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, **overrides) -> dict:
+def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
+              **overrides) -> dict:
     """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles.
     `overrides` (block_m, block_n) come from kernel_options BLOCK_M1 / BLOCK_N1."""
     if head_dim not in HEAD_DIMS:
         raise NotImplementedError(
             f"flex_attention backward: head dim {head_dim} is not supported; supported head dims are {HEAD_DIMS}"
         )
-    cfg = choose_config("bwd", head_dim, "bf16", arch if arch in SMEM_LIMIT else "sm_80", **overrides)
+    cfg = choose_config("bwd", head_dim, "bf16", arch if arch in SMEM_LIMIT else "sm_80", dropout=dropout, **overrides)
     if "block_n" in overrides and "num_warps" not in overrides:
         cfg["num_warps"] = max(4, cfg["block_n"] // 16)  # one warp per 16 key rows: no P^T / dX^T exchange
     bm, bn, warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
@@ -200,20 +201,24 @@ def _int32_lists(bm):
 
 
 def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale: float, kernel_options,
-                  needs_input_grad, grad_buffers: tuple[str, ...] = ()):
+                  needs_input_grad, grad_buffers: tuple[str, ...] = (), dropout_p: float = 0.0,
+                  philox: tuple[int, int] | None = None):
     """Gradients of flex_attention: (dq, dk, dv, buffer_grads).
 
     dq/dk/dv are None where needs_input_grad says so; buffer_grads maps each name in
     `grad_buffers` (score_mod buffers that require grad) to its gradient, fp32, in the
-    buffer's shape.
+    buffer's shape. dropout_p and philox must be those the forward was called with.
     """
+    from ..dropout import check_dropout
+
+    dropout_p, philox = check_dropout(dropout_p, philox)
     with torch.cuda.device(query.device):  # kernels launch on the current device
         return _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options,
-                         needs_input_grad, tuple(grad_buffers))
+                         needs_input_grad, tuple(grad_buffers), dropout_p, philox)
 
 
 def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
-              grad_buffers):
+              grad_buffers, dropout_p, philox):
     from ..attention import _kernel_ready, make_spec
     from ..cache import get_kernel
     from ..codegen.cstruct import pack_mod_args
@@ -239,10 +244,11 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
 
     from ..attention import bwd_tile_overrides
 
-    base = make_spec("bwd", query, score, mask, None)
+    base = make_spec("bwd", query, score, mask, None, dropout=dropout_p > 0)
     if bm is not None:
         bm = _int32_lists(bm)
-    tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None, **bwd_tile_overrides(kernel_options))
+    tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None, base.dropout,
+                      **bwd_tile_overrides(kernel_options))
     spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, **tiles)
     pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
         block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
@@ -276,7 +282,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
     kernel = get_kernel(spec)
-    p = bwd_params_type(type(mod_args))()
+    p = bwd_params_type(type(mod_args), spec.dropout)()
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
@@ -296,6 +302,8 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if bm is not None:
         _set_mask(p, bm, batch, heads)
     p.num_kv_tiles = num_kv_tiles
+    if spec.dropout:
+        set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
     kernel.launch(grid, (spec.num_warps * 32, 1, 1), shared_memory_bytes(spec), stream, p)

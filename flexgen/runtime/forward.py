@@ -32,14 +32,28 @@ _FWD_FIELDS = [
     ("fkvi_stride_b", _i64), ("fkvi_stride_h", _i64), ("fkvi_stride_q", _i64),
     ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32),
 ]
+# Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
+DROPOUT_FIELDS = [
+    ("philox_seed", ctypes.c_ulonglong), ("philox_offset", ctypes.c_ulonglong),
+    ("dropout_p", _f32), ("dropout_threshold", ctypes.c_uint), ("dropout_scale", _f32),
+]
 
 LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_params_type(mod_args_type: type) -> type:
-    """The ctypes mirror of FwdParams for one ModArgs layout."""
-    return type("FwdParams", (ctypes.Structure,), {"_fields_": _FWD_FIELDS + [("mod", mod_args_type)]})
+def fwd_params_type(mod_args_type: type, dropout: bool = False) -> type:
+    """The ctypes mirror of FwdParams for one ModArgs layout (and the dropout fields, if built with them)."""
+    fields = _FWD_FIELDS + (DROPOUT_FIELDS if dropout else [])
+    return type("FwdParams", (ctypes.Structure,), {"_fields_": fields + [("mod", mod_args_type)]})
+
+
+def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
+    """Fill the dropout fields of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
+    from ..dropout import dropout_threshold
+
+    p.philox_seed, p.philox_offset = philox
+    p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
 def shared_memory_bytes(spec: KernelSpec) -> int:
@@ -59,11 +73,13 @@ def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, in
     return sb, sh, t.stride(2)
 
 
-def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale: float, block_mask) -> None:
-    """Run the forward kernel on torch's current stream. Inputs are validated by the caller."""
+def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale: float, block_mask,
+                   dropout_p: float = 0.0, philox: tuple[int, int] | None = None) -> None:
+    """Run the forward kernel on torch's current stream. Inputs are validated by the caller;
+    dropout_p > 0 needs a spec built with dropout."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    params_type = fwd_params_type(type(mod_args))
+    params_type = fwd_params_type(type(mod_args), spec.dropout)
     p = params_type()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
@@ -83,6 +99,8 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
             p.full_kv_indices = block_mask.full_kv_indices.data_ptr()
             p.fkvn_stride_b, p.fkvn_stride_h, p.fkvn_stride_q = _bh_strides(block_mask.full_kv_num_blocks, batch, heads)
             p.fkvi_stride_b, p.fkvi_stride_h, p.fkvi_stride_q = _bh_strides(block_mask.full_kv_indices, batch, heads)
+    if spec.dropout:
+        set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     grid = (-(-q_len // spec.block_m), heads, batch)
     block = (spec.num_warps * 32, 1, 1)

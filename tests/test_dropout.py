@@ -1,0 +1,207 @@
+"""Attention dropout without a GPU: the torch Philox reference against published known answers,
+the kernels' CUDA header (compiled for the host) against the torch reference, the keep mask's
+layout and statistics, argument checks, and dropout code only in kernels built with it."""
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexgen.codegen.api import emit
+from flexgen.dropout import check_dropout, dropout_keep_mask, dropout_threshold, philox4x32
+
+HEADER_DIR = Path(__file__).resolve().parents[1] / "flexgen" / "templates" / "common"
+
+# Random123's kat_vectors for philox4x32_10: counter, key -> output.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    got = philox4x32(torch.tensor(counter), torch.tensor(key))
+    assert tuple(got.tolist()) == expected
+
+
+def _philox_python(c: list[int], k: list[int]) -> list[int]:
+    """Philox4x32-10 on Python ints (no overflow anywhere): an independent check of the torch one."""
+    m = 0xFFFFFFFF
+    k0, k1 = k
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & m, (p0 >> 32) ^ c[3] ^ k1, p0 & m]
+    return c
+
+
+def test_philox_vectorised_matches_python_ints():
+    rng = random.Random(0)
+    edges = [0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]
+    counters = [[rng.choice(edges) if rng.random() < 0.3 else rng.getrandbits(32) for _ in range(4)] for _ in range(300)]
+    keys = [[rng.getrandbits(32), rng.getrandbits(32)] for _ in range(300)]
+    got = philox4x32(torch.tensor(counters), torch.tensor(keys)).tolist()
+    assert got == [_philox_python(c, k) for c, k in zip(counters, keys)]
+
+
+def test_threshold_and_argument_checks():
+    assert dropout_threshold(0.0) == 0
+    assert dropout_threshold(0.5) == 2**31
+    assert dropout_threshold(0.25) == 2**30
+    assert dropout_threshold(1 - 2**-40) == 2**32 - 1  # clamped below 2^32
+    assert check_dropout(0.0, None) == (0.0, None)
+    assert check_dropout(0, (1, 2)) == (0.0, None)
+    assert check_dropout(0.1, (3, 2**64 - 1)) == (0.1, (3, 2**64 - 1))
+    for bad in (-0.1, 1.0, 1.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="dropout_p"):
+            check_dropout(bad, (0, 0))
+    with pytest.raises(TypeError, match="dropout_p"):
+        check_dropout("0.1", (0, 0))
+    with pytest.raises(ValueError, match="philox"):
+        check_dropout(0.1, None)
+    with pytest.raises(ValueError, match="seed"):
+        check_dropout(0.1, (-1, 0))
+    with pytest.raises(ValueError, match="offset"):
+        check_dropout(0.1, (0, 2**64))
+
+
+def _keep_elementwise(seed, offset, p, b, h, q, kv, H, Q):
+    """The definition in philox.cuh, element by element on Python ints."""
+    row_pair = ((b * H + h) * ((Q + 1) // 2) + q // 2) & 0xFFFFFFFF
+    w = _philox_python([kv // 2, row_pair, offset & 0xFFFFFFFF, offset >> 32], [seed & 0xFFFFFFFF, seed >> 32])
+    return w[2 * (q & 1) + (kv & 1)] >= dropout_threshold(p)
+
+
+def test_keep_mask_layout():
+    seed, offset, p = 0x0123456789ABCDEF, 0xFEDCBA9876543210, 0.3
+    B, H, Q, KV = 2, 3, 7, 5
+    mask = dropout_keep_mask(seed, offset, B, H, Q, KV, p)
+    assert mask.shape == (B, H, Q, KV) and mask.dtype == torch.bool
+    for b in range(B):
+        for h in range(H):
+            for q in range(Q):
+                for kv in range(KV):
+                    assert bool(mask[b, h, q, kv]) == _keep_elementwise(seed, offset, p, b, h, q, kv, H, Q)
+
+
+def test_keep_mask_statistics_and_streams():
+    m = dropout_keep_mask(7, 0, 2, 4, 256, 256, 0.2)
+    assert abs(m.float().mean().item() - 0.8) < 0.01
+    # Any of seed, offset changes the whole mask; rows and columns are not copies of each other.
+    for other in (dropout_keep_mask(8, 0, 2, 4, 256, 256, 0.2), dropout_keep_mask(7, 1, 2, 4, 256, 256, 0.2)):
+        assert 0.25 < (m != other).float().mean().item() < 0.4  # about 2 p (1 - p) = 0.32
+    assert not torch.equal(m[0, 0, 0], m[0, 0, 1]) and not torch.equal(m[0, 0, :, 0], m[0, 0, :, 1])
+    assert not torch.equal(m[0, 0], m[0, 1]) and not torch.equal(m[0], m[1])
+    assert torch.equal(m, dropout_keep_mask(7, 0, 2, 4, 256, 256, 0.2))
+    assert dropout_keep_mask(7, 0, 1, 1, 64, 64, 0.0).all()
+
+
+# ---------------------------------------------------------------- the CUDA header, on the host
+
+HARNESS = r"""
+#include <cstdio>
+#include "philox.cuh"
+// stdin lines: "P c0 c1 c2 c3 k0 k1" -> four words; "G seed offset threshold B H Q KV" -> the keep bits.
+int main() {
+    char op;
+    while (std::scanf(" %c", &op) == 1) {
+        if (op == 'P') {
+            unsigned c[4], k[2];
+            std::scanf("%u %u %u %u %u %u", &c[0], &c[1], &c[2], &c[3], &k[0], &k[1]);
+            const PhiloxWords w = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
+            std::printf("%u %u %u %u\n", w.w[0], w.w[1], w.w[2], w.w[3]);
+        } else {
+            unsigned long long seed, offset;
+            unsigned threshold;
+            int B, H, Q, KV;
+            std::scanf("%llu %llu %u %d %d %d %d", &seed, &offset, &threshold, &B, &H, &Q, &KV);
+            for (int b = 0; b < B; ++b)
+                for (int h = 0; h < H; ++h)
+                    for (int q = 0; q < Q; ++q)
+                        for (int kv = 0; kv < KV; ++kv)
+                            std::putchar(dropout_keep(seed, offset, threshold, b, h, q, kv, H, Q) ? '1' : '0');
+            std::putchar('\n');
+        }
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_harness(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    d = tmp_path_factory.mktemp("philox_host")
+    (d / "harness.cpp").write_text(HARNESS)
+    exe = d / "harness"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-Wno-unknown-pragmas", f"-I{HEADER_DIR}", str(d / "harness.cpp"), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    return exe
+
+
+def test_header_on_host_matches_torch(host_harness):
+    rng = random.Random(1)
+    counters = [[rng.getrandbits(32) for _ in range(4)] for _ in range(500)] + [list(c) for c, _, _ in KAT]
+    keys = [[rng.getrandbits(32), rng.getrandbits(32)] for _ in range(500)] + [list(k) for _, k, _ in KAT]
+    grids = [(rng.getrandbits(64), rng.getrandbits(64), p, 2, 3, q, kv)
+             for p, q, kv in ((0.1, 9, 13), (0.5, 16, 16), (0.9, 1, 7), (0.3, 33, 64))]
+    lines = [f"P {' '.join(map(str, c + k))}" for c, k in zip(counters, keys)]
+    lines += [f"G {s} {o} {dropout_threshold(p)} {B} {H} {Q} {KV}" for s, o, p, B, H, Q, KV in grids]
+    out = subprocess.run([str(host_harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    got = out.stdout.split("\n")
+    want = philox4x32(torch.tensor(counters), torch.tensor(keys)).tolist()
+    assert [list(map(int, line.split())) for line in got[: len(want)]] == want
+    for line, (s, o, p, B, H, Q, KV) in zip(got[len(want):], grids):
+        ref = dropout_keep_mask(s, o, B, H, Q, KV, p).flatten().tolist()
+        assert line == "".join("1" if x else "0" for x in ref), (s, o, p, Q, KV)
+
+
+# ---------------------------------------------------------------- only dropout kernels carry dropout code
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_dropout_code_only_with_spec_dropout(kind):
+    plain = emit(kind, None, None, head_dim=64, arch="sm_90a")
+    with_dropout = emit(kind, None, None, head_dim=64, arch="sm_90a", dropout=True)
+    for word in ("philox", "dropout"):
+        assert word not in plain.lower()
+        assert word in with_dropout
+    assert "dropout_keep_bits" in with_dropout
+
+
+@pytest.mark.parametrize("bad", [-0.5, 1.0, float("nan")])
+def test_calls_reject_bad_dropout_before_any_kernel(bad):
+    from flexgen.attention import forward_call
+    from flexgen.runtime.backward import backward_call
+
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="0 <= dropout_p < 1"):
+        forward_call(q, q, q, None, None, None, 0.125, None, dropout_p=bad, philox=(0, 0))
+    with pytest.raises(ValueError, match="0 <= dropout_p < 1"):
+        backward_call(q, q, q, q, q[..., 0].float(), q, None, None, None, 0.125, None, (True,) * 3,
+                      dropout_p=bad, philox=(0, 0))
+    with pytest.raises(ValueError, match="philox"):
+        forward_call(q, q, q, None, None, None, 0.125, None, dropout_p=0.1)
+
+
+def test_dropout_tiles():
+    """Dropout kernels get their own tile where the default sits at the register limit."""
+    from flexgen.codegen.api import make_spec
+
+    plain = make_spec("fwd", head_dim=128, arch="sm_90a")
+    dropped = make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True)
+    assert (dropped.block_m, dropped.block_n) == (plain.block_m, plain.block_n)  # block masks fit both alike
+    assert dropped.num_warps == 8 and dropped.dropout and not plain.dropout
+    at_64 = make_spec("fwd", head_dim=64, arch="sm_90a")
+    assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True) == at_64.with_(dropout=True)  # already fits
+    assert make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, num_warps=4).num_warps == 4  # overrides win
