@@ -65,8 +65,9 @@ def test_compiled_equals_eager_and_reference(how, isolated_kernel_cache):
     out_c, grads_c = _run(torch.compile(module, fullgraph=True), module, q, k, v, do, bm)
     torch.testing.assert_close(out_c, out_e, atol=0, rtol=0)
     for name, gc, ge in zip(("dq", "dk", "dv", "dslopes"), grads_c, grads_e):
-        # dq and the slope gradient are summed with atomics: equal up to the order of additions
-        tol = {} if name in ("dq", "dslopes") else {"atol": 0, "rtol": 0}
+        # dq and the slope gradient are fp32 sums (atomics) over thousands of terms: equal up to the
+        # order of additions (measured 3e-5 relative on the H200), so 1e-4 of the largest value
+        tol = {"atol": 1e-4 * ge.abs().max().item(), "rtol": 1e-4} if name in ("dq", "dslopes") else {"atol": 0, "rtol": 0}
         torch.testing.assert_close(gc, ge, **tol, msg=lambda m, n=name: f"{n}: {m}")
     score = flexgen.variants.alibi(module.slopes.detach())
     scale = D ** -0.5

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.attention import _element_mask, forward_call
+from flexgen.attention import forward_call
+from flexgen.variant import _traced
 from flexgen.dropout import dropout_keep_mask
 
 gpu = pytest.mark.gpu
@@ -53,7 +54,7 @@ def _block_mask(mask, lq, lkv):
     if mask is None:
         return None, None
     bm = flexgen.create_block_mask(mask, None, None, lq, lkv, device=DEV)
-    return bm, _element_mask(bm)
+    return bm, (_traced(bm.mask_mod, "mask") if bm is not None and bm.mask_mod is not None else None)
 
 
 def attention_math(q, k, v, score, mask, scale, keep=None, p=0.0):
