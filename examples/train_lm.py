@@ -49,18 +49,13 @@ class Attention(nn.Module):
         # Learnable ALiBi slopes, initialised to the usual geometric sequence.
         self.slopes = nn.Parameter(torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)]))
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor, block_mask=None) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         slopes, window = self.slopes, self.window
-        flat_docs = doc_ids.reshape(-1)  # rows are laid end to end, one sequence of b * n tokens
 
         def alibi(score, bi, h, q_idx, kv_idx):
             return score + slopes[h] * (kv_idx - q_idx)
-
-        def mask(bi, h, q_idx, kv_idx):
-            same_doc = flat_docs[bi * n + q_idx] == flat_docs[bi * n + kv_idx]
-            return (q_idx >= kv_idx) & (q_idx - kv_idx < window) & same_doc
 
         if self.impl == "sdpa":
             idx = torch.arange(n, device=x.device)
@@ -71,14 +66,29 @@ class Attention(nn.Module):
             bias = bias[None].masked_fill(~allowed[:, None], float("-inf"))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         else:
-            if self.impl == "flexgen":
-                import flexgen as lib
-            else:
-                from torch.nn.attention import flex_attention as lib
-            block_mask = lib.create_block_mask(mask, b, None, n, n, device=x.device)
-            attend = lib.flex_attention if self.impl == "flexgen" else _compiled_flex()
+            attend = _library(self.impl).flex_attention if self.impl == "flexgen" else _compiled_flex()
             y = attend(q, k, v, score_mod=alibi, block_mask=block_mask)
         return self.out(y.transpose(1, 2).reshape(b, n, d))
+
+
+def _library(impl: str):
+    if impl == "flexgen":
+        import flexgen as lib
+    else:
+        from torch.nn.attention import flex_attention as lib
+    return lib
+
+
+def document_window_mask(doc_ids: torch.Tensor, window: int):
+    """Causal sliding window inside each packed document; rows of doc_ids laid end to end."""
+    n = doc_ids.shape[1]
+    flat_docs = doc_ids.reshape(-1)
+
+    def mask(bi, h, q_idx, kv_idx):
+        same_doc = flat_docs[bi * n + q_idx] == flat_docs[bi * n + kv_idx]
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window) & same_doc
+
+    return mask
 
 
 _FLEX = None
@@ -100,14 +110,15 @@ class Block(nn.Module):
         self.attn = Attention(dim, heads, window, impl)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x, doc_ids):
-        x = x + self.attn(self.norm1(x), doc_ids)
+    def forward(self, x, doc_ids, block_mask):
+        x = x + self.attn(self.norm1(x), doc_ids, block_mask)
         return x + self.mlp(self.norm2(x))
 
 
 class LM(nn.Module):
     def __init__(self, vocab, dim, heads, layers, window, impl):
         super().__init__()
+        self.window, self.impl = window, impl
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, window, impl) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
@@ -115,8 +126,13 @@ class LM(nn.Module):
 
     def forward(self, tokens, doc_ids):
         x = self.embed(tokens)
+        block_mask = None
+        if self.impl != "sdpa":  # one block mask per batch, shared by every layer
+            b, n = tokens.shape
+            mask = document_window_mask(doc_ids, self.window)
+            block_mask = _library(self.impl).create_block_mask(mask, b, None, n, n, device=tokens.device)
         for blk in self.blocks:
-            x = blk(x, doc_ids)
+            x = blk(x, doc_ids, block_mask)
         return self.head(self.norm(x))
 
 
