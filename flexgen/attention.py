@@ -14,6 +14,7 @@ import torch
 
 from .blockmask import BlockMask
 from .codegen.spec import HEAD_DIMS, KernelSpec
+from .dsl.ir import has_positional_loads
 from .dsl.mod import Mod
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -146,7 +147,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     dtype = _DTYPES[query.dtype]
     head_dim = query.shape[-1]
     arch = current_arch(query.device)
-    cfg = choose_config(kind, head_dim, dtype, arch, score_reads_buffers=bool(score is not None and score.buffers),
+    cfg = choose_config(kind, head_dim, dtype, arch, score_loads_per_element=score is not None and has_positional_loads(score.expr),
                         dropout=dropout, **overrides)
     return KernelSpec(
         kind=kind, head_dim=head_dim, dtype=dtype, arch=arch,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import fields as dc_fields
 
 from .. import arch as archmod
-from ..dsl.ir import Node, buffers_of
+from ..dsl.ir import Node, has_positional_loads
 from .configs import CONFIG_FIELDS, choose_config
 from .spec import KernelSpec
 
@@ -49,7 +49,7 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
     target = archmod.jit_target() if arch is None else archmod.normalize(arch)
     dt = dtype_name(dtype)
     score_expr = as_expr(score_mod, "score")
-    cfg = choose_config(kind, head_dim, dt, target, score_reads_buffers=score_expr is not None and bool(buffers_of(score_expr)),
+    cfg = choose_config(kind, head_dim, dt, target, score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                         dropout=bool(options.get("dropout", False)),
                         **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
     fields = {k: options.pop(k) for k in list(options) if k in _SPEC_OPTIONS}

@@ -21,7 +21,7 @@ TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     ("bwd", 256, None, (64, 64, 8, 2)),
 ]
 DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block masks)
-# A score_mod that loads from a buffer on every element (relative bias tables) needs address
+# A score_mod that loads a different buffer element for every score (relative bias tables) needs address
 # registers next to the 128 x 64 tile's O and S, which then spills (sm_80 at D=64, every target above):
 # such forward kernels take 32-column KV tiles instead.
 SCORE_LOAD_FWD_BLOCK_N = 32
@@ -37,8 +37,8 @@ DROPOUT_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
 ]
 
 
-def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_reads_buffers: bool = False, dropout: bool = False,
-                  **overrides) -> dict:
+def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_loads_per_element: bool = False,
+                  dropout: bool = False, **overrides) -> dict:
     """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table."""
     fam = family(arch)
     chosen = DEFAULT
@@ -47,7 +47,7 @@ def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_reads_b
             chosen = values
             break
     cfg = dict(zip(CONFIG_FIELDS, chosen))
-    if kind == "fwd" and score_reads_buffers:
+    if kind == "fwd" and score_loads_per_element:
         cfg["block_n"] = min(cfg["block_n"], SCORE_LOAD_FWD_BLOCK_N)
     unknown = set(overrides) - set(CONFIG_FIELDS)
     if unknown:

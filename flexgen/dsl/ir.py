@@ -263,6 +263,12 @@ def buffers_of(root: Node) -> list[BufferSpec]:
     return list(out.values())
 
 
+def has_positional_loads(root: Node) -> bool:
+    """Whether some buffer load's index depends on q_idx or kv_idx (a different element for every
+    score, like a relative-bias table), rather than only on b, h and parameters (ALiBi's slopes[h])."""
+    return any(n.op == "load" and inputs_of(n) & {"q_idx", "kv_idx"} for n in postorder(root))
+
+
 def params_of(root: Node) -> dict[str, DType]:
     return {n.attr: n.dtype for n in postorder(root) if n.op == "param"}
 
