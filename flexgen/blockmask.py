@@ -216,6 +216,20 @@ def _classify(mod: Mod, q_len, kv_len, bq, bkv, b_range, h_range) -> tuple[torch
     return full.cpu(), partial.cpu()
 
 
+def _structural_inputs(expr) -> set[str]:
+    """Inputs the mask uses other than inside a buffer index."""
+    found, stack, seen = set(), [expr], set()
+    while stack:
+        node = stack.pop()
+        if node.digest in seen or node.op == "load":
+            continue
+        seen.add(node.digest)
+        if node.op == "input":
+            found.add(node.attr)
+        stack.extend(node.args)
+    return found
+
+
 def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, b: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluate mask_mod on the undecided tiles, a chunk at a time: which are in fact full or empty."""
     tiles = partial.nonzero().to(device)
@@ -280,9 +294,14 @@ def create_block_mask(
         nh = H_ if "h" in used else 1
         full = torch.zeros(nb, nh, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
+        # When b and h reach the mask only through buffer indices (documents per batch row), one
+        # analysis over all (b, h) decides what a per-(b, h) one would; the rest is evaluated per
+        # (b, h) below either way. Masks whose structure depends on b or h (per-head windows) are
+        # analysed per (b, h).
+        shared = None if _structural_inputs(mod.expr) & {"b", "h"} else _classify(mod, Q_LEN, KV_LEN, bq, bkv, (0, nb), (0, nh))
         for b in range(nb):
             for h in range(nh):
-                f, p = _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
+                f, p = shared or _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
                 if p.any():
                     rf, rp = _refine(mod, p, Q_LEN, KV_LEN, bq, bkv, b, h, device)
                     f, p = f | rf, rp
