@@ -230,30 +230,30 @@ def _structural_inputs(expr) -> set[str]:
     return found
 
 
-def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, b: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluate mask_mod on the undecided tiles, a chunk at a time: which are in fact full or empty."""
-    tiles = partial.nonzero().to(device)
+def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluate mask_mod on the undecided tiles of every (b, h) at once, a chunk of tiles at a
+    time: which are in fact full or empty. `partial` is (nb, nh, nQ, nKV)."""
+    tiles = partial.nonzero().to(device)  # rows (b, h, q block, kv block)
     is_full = torch.zeros(len(tiles), dtype=torch.bool, device=device)
     is_empty = torch.zeros(len(tiles), dtype=torch.bool, device=device)
     per_chunk = max(1, _EVAL_CHUNK_ELEMENTS // (bq * bkv))
     qr = torch.arange(bq, device=device, dtype=torch.int32)
     kr = torch.arange(bkv, device=device, dtype=torch.int32)
-    bt = torch.tensor(b, dtype=torch.int32, device=device)
-    ht = torch.tensor(h, dtype=torch.int32, device=device)
     for start in range(0, len(tiles), per_chunk):
-        chunk = tiles[start : start + per_chunk]
-        q = (chunk[:, 0, None].int() * bq + qr)[:, :, None]
-        kv = (chunk[:, 1, None].int() * bkv + kr)[:, None, :]
+        chunk = tiles[start : start + per_chunk].int()
+        b, h = chunk[:, 0, None, None], chunk[:, 1, None, None]
+        q = (chunk[:, 2, None] * bq + qr)[:, :, None]
+        kv = (chunk[:, 3, None] * bkv + kr)[:, None, :]
         valid = (q < q_len) & (kv < kv_len)
-        values = mod.evaluate(float_dtype=torch.float32, b=bt, h=ht, q_idx=q.clamp(max=q_len - 1), kv_idx=kv.clamp(max=kv_len - 1))
+        values = mod.evaluate(float_dtype=torch.float32, b=b, h=h, q_idx=q.clamp(max=q_len - 1), kv_idx=kv.clamp(max=kv_len - 1))
         values = values.expand(valid.shape)
         is_full[start : start + len(chunk)] = (values | ~valid).flatten(1).all(1)
         is_empty[start : start + len(chunk)] = ~(values & valid).flatten(1).any(1)
     full = torch.zeros_like(partial)
     still = partial.clone()
-    idx = tiles.cpu()
-    full[idx[:, 0], idx[:, 1]] = is_full.cpu()
-    still[idx[:, 0], idx[:, 1]] = ~(is_full | is_empty).cpu()
+    idx = tiles.cpu().unbind(1)
+    full[idx] = is_full.cpu()
+    still[idx] = ~(is_full | is_empty).cpu()
     return full, still
 
 
@@ -301,11 +301,10 @@ def create_block_mask(
         shared = None if _structural_inputs(mod.expr) & {"b", "h"} else _classify(mod, Q_LEN, KV_LEN, bq, bkv, (0, nb), (0, nh))
         for b in range(nb):
             for h in range(nh):
-                f, p = shared or _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
-                if p.any():
-                    rf, rp = _refine(mod, p, Q_LEN, KV_LEN, bq, bkv, b, h, device)
-                    f, p = f | rf, rp
-                full[b, h], partial[b, h] = f, p
+                full[b, h], partial[b, h] = shared or _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
+        if partial.any():
+            refined_full, partial = _refine(mod, partial, Q_LEN, KV_LEN, bq, bkv, device)
+            full |= refined_full
     mask = BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN), mod)
     return mask._broadcast_to(B_, H_)
 
