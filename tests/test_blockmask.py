@@ -481,3 +481,22 @@ def test_torch_block_mask_without_q_lists():
     assert converted.q_num_blocks is not None
     ours = create_block_mask(causal, None, None, 512, 512, device="cpu")
     assert torch.equal(converted.to_dense(), ours.to_dense())
+
+
+def test_batch_only_through_buffers_shares_one_analysis(monkeypatch):
+    """b reaches a per-row document mask only through a buffer index: one static analysis for
+    every batch row, the rest decided by evaluation, and the blocks equal brute force."""
+    from flexgen import blockmask
+
+    b, n = 3, 700
+    ids = torch.sort(torch.randint(0, 4, (b, n)), dim=1).values.to(torch.int32).reshape(-1)
+
+    def per_row_docs(bi, h, q_idx, kv_idx):
+        return (ids[bi * n + q_idx] == ids[bi * n + kv_idx]) & (q_idx >= kv_idx)
+
+    assert blockmask._structural_inputs(blockmask._as_mask_mod(per_row_docs).expr) == {"q_idx", "kv_idx"}
+    calls = []
+    real = blockmask._classify
+    monkeypatch.setattr(blockmask, "_classify", lambda *a: calls.append(a) or real(*a))
+    check_against_brute_force(per_row_docs, b, None, n, n)
+    assert len(calls) == 1

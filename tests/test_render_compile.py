@@ -173,6 +173,21 @@ def test_choose_config_table_and_overrides():
         choose_config("fwd", 128, "bf16", "sm_80", tile=3)
 
 
+def test_score_mods_with_per_element_loads_take_narrow_forward_tiles():
+    import torch
+
+    from flexgen import variants
+    from flexgen.codegen.api import make_spec
+    from flexgen.dsl.ir import has_positional_loads
+
+    alibi, rel = variants.alibi(4), variants.relative_bias(torch.randn(4, 63))
+    assert not has_positional_loads(alibi.expr) and has_positional_loads(rel.expr)
+    assert make_spec("fwd", alibi, None, head_dim=128, arch="sm_90a").block_n == 64  # slopes[h]: one value per head
+    assert make_spec("fwd", rel, None, head_dim=128, arch="sm_90a").block_n == 32  # a table element per score
+    assert make_spec("fwd", rel, None, head_dim=128, arch="sm_90a", block_n=64).block_n == 64  # an explicit choice wins
+    assert make_spec("bwd", rel, None, head_dim=128, arch="sm_90a").block_n == 128
+
+
 def test_arch_names(monkeypatch):
     assert archmod.normalize("sm_90") == "sm_90a" and archmod.normalize("9.0") == "sm_90a"
     assert archmod.normalize("sm80") == "sm_80" and archmod.normalize(86) == "sm_86" and archmod.normalize((8, 7)) == "sm_86"
