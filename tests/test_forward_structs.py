@@ -110,3 +110,19 @@ def test_fwd_dropout_other_head_dims(head_dim, dtype):
     spec = make_spec("fwd", V.softcap(20.0), V.causal, head_dim=head_dim, dtype=dtype, arch="sm_90a", dropout=True)
     resources = jit.get_kernel(spec).resources
     assert not has_spills(resources), f"dropout D={head_dim}: {resources}"
+
+
+@pytest.mark.parametrize(
+    "head_dim,config",
+    [(64, {}), (96, {}), (128, {"num_stages": 2}), (256, {}), (128, {"block_m": 64, "block_n": 32, "num_warps": 4})],
+    ids=str,
+)
+def test_fwd_launcher_shared_memory_matches_the_kernel_layout(head_dim, config):
+    # The kernel traps when given less than its layout needs; this catches the disagreement without a GPU.
+    from flexgen.runtime.forward import shared_memory_bytes
+
+    spec = make_spec("fwd", None, V.document(torch.zeros(8, dtype=torch.int32)), head_dim=head_dim, dtype="bf16",
+                     arch="sm_90a", **config)
+    m = re.search(r"flexgen_fwd_smem_bytes\s*=\s*(\d+)", jit.get_kernel(spec).ptx)
+    assert m, "the kernel no longer exports flexgen_fwd_smem_bytes"
+    assert int(m.group(1)) == shared_memory_bytes(spec), (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages)
