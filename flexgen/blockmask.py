@@ -41,8 +41,14 @@ def _pair(block_size) -> tuple[int, int]:
 def _dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., rows, cols) bool -> per-row counts and the column indices, present ones first."""
     counts = blocks.sum(-1, dtype=torch.int32)
-    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
-    return counts, order.to(torch.int32).contiguous()
+    # A stable partition (present columns in order, then the absent ones), by prefix sums: linear,
+    # where a sort of each row costs n log n (80 ms for causal at 128k tokens on a CPU).
+    present = blocks.to(torch.int32)
+    slot = torch.where(blocks, present.cumsum(-1) - 1, counts.unsqueeze(-1) + (1 - present).cumsum(-1) - 1)
+    columns = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand(blocks.shape)
+    order = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
+    order.scatter_(-1, slot.long(), columns)
+    return counts, order
 
 
 def _lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
@@ -230,10 +236,23 @@ def _structural_inputs(expr) -> set[str]:
     return found
 
 
+def _mixed_at_corners(mod: Mod, tiles: torch.Tensor, q_len, kv_len, bq, bkv) -> torch.Tensor:
+    """Tiles whose four corner elements already disagree (the diagonal tiles of a causal mask):
+    they are partial, whatever the rest holds, and need no full evaluation."""
+    t = tiles.int()
+    b, h = t[:, 0, None, None], t[:, 1, None, None]
+    q_lo, kv_lo = t[:, 2] * bq, t[:, 3] * bkv
+    q = torch.stack([q_lo, torch.clamp(q_lo + bq, max=q_len) - 1], 1)[:, :, None]
+    kv = torch.stack([kv_lo, torch.clamp(kv_lo + bkv, max=kv_len) - 1], 1)[:, None, :]
+    values = mod.evaluate(float_dtype=torch.float32, b=b, h=h, q_idx=q, kv_idx=kv).expand(len(t), 2, 2).flatten(1)
+    return values.any(1) & ~values.all(1)
+
+
 def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluate mask_mod on the undecided tiles of every (b, h) at once, a chunk of tiles at a
     time: which are in fact full or empty. `partial` is (nb, nh, nQ, nKV)."""
     tiles = partial.nonzero().to(device)  # rows (b, h, q block, kv block)
+    tiles = tiles[~_mixed_at_corners(mod, tiles, q_len, kv_len, bq, bkv)]  # proven partial: nothing to evaluate
     is_full = torch.zeros(len(tiles), dtype=torch.bool, device=device)
     is_empty = torch.zeros(len(tiles), dtype=torch.bool, device=device)
     per_chunk = max(1, _EVAL_CHUNK_ELEMENTS // (bq * bkv))
