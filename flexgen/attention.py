@@ -255,12 +255,12 @@ def flex_attention(
     >>> mask = create_block_mask(causal, None, None, 4096, 4096)
     >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), block_mask=mask)
     """
+    from .dropout import check_dropout_range
     from .ops import attention_fwd, mask_tensors
     from .variant import mod_parts, variant_key
 
     _check_inputs(query, key, value, enable_gqa)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"flex_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    check_dropout_range(dropout_p)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())

@@ -222,20 +222,6 @@ def _classify(mod: Mod, q_len, kv_len, bq, bkv, b_range, h_range) -> tuple[torch
     return full.cpu(), partial.cpu()
 
 
-def _structural_inputs(expr) -> set[str]:
-    """Inputs the mask uses other than inside a buffer index."""
-    found, stack, seen = set(), [expr], set()
-    while stack:
-        node = stack.pop()
-        if node.digest in seen or node.op == "load":
-            continue
-        seen.add(node.digest)
-        if node.op == "input":
-            found.add(node.attr)
-        stack.extend(node.args)
-    return found
-
-
 def _mixed_at_corners(mod: Mod, tiles: torch.Tensor, q_len, kv_len, bq, bkv) -> torch.Tensor:
     """Tiles whose four corner elements already disagree (the diagonal tiles of a causal mask):
     they are partial, whatever the rest holds, and need no full evaluation."""
@@ -306,7 +292,7 @@ def create_block_mask(
         partial = torch.zeros_like(full)
         B_, H_ = 1, 1
     else:
-        from .dsl.ir import inputs_of
+        from .dsl.ir import inputs_of, inputs_outside_loads
 
         used = inputs_of(mod.expr)
         nb = B_ if "b" in used else 1
@@ -317,7 +303,7 @@ def create_block_mask(
         # analysis over all (b, h) decides what a per-(b, h) one would; the rest is evaluated per
         # (b, h) below either way. Masks whose structure depends on b or h (per-head windows) are
         # analysed per (b, h).
-        shared = None if _structural_inputs(mod.expr) & {"b", "h"} else _classify(mod, Q_LEN, KV_LEN, bq, bkv, (0, nb), (0, nh))
+        shared = None if inputs_outside_loads(mod.expr) & {"b", "h"} else _classify(mod, Q_LEN, KV_LEN, bq, bkv, (0, nb), (0, nh))
         for b in range(nb):
             for h in range(nh):
                 full[b, h], partial[b, h] = shared or _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))

@@ -36,13 +36,17 @@ def philox4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = 10) -> to
     return torch.stack(torch.broadcast_tensors(*c), dim=-1)
 
 
+def check_dropout_range(dropout_p) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flex_attention: dropout_p must satisfy 0 <= dropout_p < 1, got {dropout_p}")
+
+
 def check_dropout(dropout_p, philox) -> tuple[float, tuple[int, int] | None]:
     """Validated (p, (seed, offset)); philox is required (and only used) when p > 0."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"flex_attention: dropout_p must be a float, got {type(dropout_p).__name__}")
     p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"flex_attention: dropout_p must satisfy 0 <= dropout_p < 1, got {dropout_p}")
+    check_dropout_range(p)
     if p == 0.0:
         return p, None
     if philox is None:

@@ -15,6 +15,7 @@ learnable buffer. So:
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from dataclasses import dataclass, field
@@ -199,8 +200,6 @@ class Variant:
 
 
 def _with_buffers(mod: Mod, tensors) -> Mod:
-    import dataclasses
-
     return dataclasses.replace(mod, buffers=dict(zip(mod.buffer_names, tensors)))
 
 

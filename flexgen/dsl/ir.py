@@ -263,6 +263,20 @@ def buffers_of(root: Node) -> list[BufferSpec]:
     return list(out.values())
 
 
+def inputs_outside_loads(root: Node) -> set[str]:
+    """Inputs the expression uses other than inside a buffer index."""
+    found, stack, seen = set(), [root], set()
+    while stack:
+        node = stack.pop()
+        if node.digest in seen or node.op == "load":
+            continue
+        seen.add(node.digest)
+        if node.op == "input":
+            found.add(node.attr)
+        stack.extend(node.args)
+    return found
+
+
 def has_positional_loads(root: Node) -> bool:
     """Whether some buffer load's index depends on q_idx or kv_idx (a different element for every
     score, like a relative-bias table), rather than only on b, h and parameters (ALiBi's slopes[h])."""

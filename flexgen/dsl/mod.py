@@ -19,6 +19,7 @@ from .ir import BufferSpec, DType, Node, buffers_of, params_of
 from .printer import pretty
 
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
 # token -> a Mod with that structure and those parameter values: torch.library ops carry
 # only the token and get the buffer tensors as inputs (flexgen/ops.py).
@@ -31,7 +32,6 @@ def register_mod(mod: "Mod") -> None:
 
 def mod_for_token(token: str) -> "Mod":
     return _BY_TOKEN[token]
-MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
 
 @dataclass(frozen=True, eq=False)

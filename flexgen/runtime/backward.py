@@ -146,7 +146,7 @@ def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = Non
     # Shared memory: one Q stage instead of two, then fewer query rows (down to 32), then fewer
     # key rows, until the tile fits.
     while True:
-        for stages in sorted({min(2, max(1, cfg["num_stages"])), 1}, reverse=True):
+        for stages in ((2, 1) if cfg["num_stages"] >= 2 else (1,)):
             cfg = {"block_m": bm, "block_n": bn, "num_warps": bn // 16 * per_rows, "num_stages": stages}
             probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=arch if arch in SMEM_LIMIT else "sm_80", **cfg)
             if shared_memory_bytes(probe) <= limit:
@@ -219,7 +219,7 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
 
 def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
               grad_buffers, dropout_p, philox):
-    from ..attention import _kernel_ready, make_spec
+    from ..attention import _kernel_ready, bwd_tile_overrides, make_spec
     from ..cache import get_kernel
     from ..codegen.cstruct import pack_mod_args
     from ..codegen.lower import lower_mods
@@ -241,8 +241,6 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     kv_heads, kv_len = k.shape[1], k.shape[2]
     device = q.device
     stream = torch.cuda.current_stream(device).cuda_stream
-
-    from ..attention import bwd_tile_overrides
 
     base = make_spec("bwd", query, score, mask, None, dropout=dropout_p > 0)
     if bm is not None:
