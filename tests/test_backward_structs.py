@@ -54,16 +54,16 @@ def _mod_args_type(spec, score, mask, grad_buffers):
 
 
 def _bwd_spec(score, mask, grad_buffers, head_dim, dtype, arch, deterministic=False, mask_block=None):
-    tiles = bw.bwd_tiles(head_dim, arch, mask_block)
+    tiles = bw.bwd_tiles(head_dim, arch, mask_block, buffer_grads=bool(grad_buffers))
     return make_spec("bwd", score, mask, head_dim=head_dim, dtype=dtype, arch=arch, grad_buffers=grad_buffers,
                      deterministic=deterministic, **tiles)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch,head_dim", [("sm_80", 64), ("sm_90a", 64), ("sm_90a", 128)])
 @pytest.mark.parametrize("name", list(_variants()))
-def test_bwd_struct_size_and_no_spills(name, arch):
+def test_bwd_struct_size_and_no_spills(name, arch, head_dim):
     score, mask, grads = _variants()[name]
-    spec = _bwd_spec(score, mask, grads, 64, "bf16", arch)
+    spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
     params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
@@ -128,7 +128,7 @@ def test_tiles_fit_shared_memory(head_dim, arch):
     cfg = bw.bwd_tiles(head_dim, arch)
     spec = make_spec("bwd", head_dim=head_dim, arch=arch, **cfg)
     assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
-    assert spec.block_n % 16 == 0 and spec.num_warps * 16 % spec.block_n == 0 or spec.block_n % (16 * spec.num_warps) == 0
+    assert bw.layout_fits(head_dim, spec.block_m, spec.block_n, spec.num_warps)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -136,7 +136,7 @@ def test_tiles_fit_shared_memory(head_dim, arch):
 @pytest.mark.parametrize("name", ["none", "causal", "alibi_learnable"])
 def test_bwd_dropout_struct_size_and_no_spills(name, head_dim, arch):
     score, mask, grads = _variants()[name]
-    tiles = bw.bwd_tiles(head_dim, arch, dropout=True)
+    tiles = bw.bwd_tiles(head_dim, arch, dropout=True, buffer_grads=bool(grads))
     spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch=arch, grad_buffers=grads, dropout=True,
                      **tiles)
     kernel = jit.get_kernel(spec)
@@ -150,7 +150,7 @@ def test_bwd_dropout_struct_size_and_no_spills(name, head_dim, arch):
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 def test_bwd_dropout_other_head_dims(head_dim):
     score, mask, grads = _variants()["alibi_learnable"]
-    tiles = bw.bwd_tiles(head_dim, "sm_90a", dropout=True)
+    tiles = bw.bwd_tiles(head_dim, "sm_90a", dropout=True, buffer_grads=bool(grads))
     spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a", grad_buffers=grads,
                      dropout=True, **tiles)
     resources = jit.get_kernel(spec).resources

@@ -86,7 +86,7 @@ def test_fwd_double_buffered_kv_has_no_spills(name):
     assert not has_spills(resources), f"{name} with two K/V stages spills: {resources}"
 
 
-# Dropout kernels (spec.dropout): their own tile (configs.DROPOUT_TABLE), spill-free at every head dim.
+# Dropout kernels (spec.dropout): their own tile (configs.LEAN_TABLE), spill-free at every head dim.
 DROPOUT_VARIANTS = {"none": (None, None), "causal": (None, V.causal), "alibi_causal": (V.alibi(4), V.causal)}
 
 

@@ -167,7 +167,8 @@ def test_choose_config_table_and_overrides():
     assert choose_config("fwd", 64, "bf16", "sm_80") == dict(block_m=128, block_n=64, num_warps=4, num_stages=2)
     assert choose_config("fwd", 128, "bf16", "sm_90a") == dict(block_m=128, block_n=64, num_warps=4, num_stages=1)
     assert choose_config("fwd", 256, "fp16", "sm_86")["block_m"] == 64
-    assert choose_config("bwd", 128, "bf16", "sm_80") == dict(block_m=32, block_n=128, num_warps=8, num_stages=2)
+    assert choose_config("bwd", 128, "bf16", "sm_80") == dict(block_m=64, block_n=128, num_warps=8, num_stages=2)
+    assert choose_config("bwd", 128, "bf16", "sm_80", buffer_grads=True)["block_n"] == 64
     assert choose_config("fwd", 128, "bf16", "sm_80", block_n=32)["block_n"] == 32
     with pytest.raises(TypeError, match="unknown config field"):
         choose_config("fwd", 128, "bf16", "sm_80", tile=3)

@@ -16,8 +16,7 @@ TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     ("fwd", 96, None, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
     ("fwd", 128, None, (128, 64, 4, 1)),  # one K/V stage: 348 vs 330 TFLOP/s on full attention (H200, NOTES.md)
     ("fwd", 256, None, (64, 32, 4, 2)),  # 64 x 64 double-buffered spills at D=256
-    ("bwd", 64, None, (64, 128, 8, 2)),
-    ("bwd", 128, None, (32, 128, 8, 2)),  # 32 x 64 at two CTAs per SM measured the same (NOTES.md, bwd v2)
+    ("bwd", 128, None, (64, 128, 8, 2)),  # FlashAttention-2's tile: 32 x 32 to 32 x 64 per warp in all five products
     ("bwd", 256, None, (64, 64, 8, 2)),
 ]
 DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block masks)
@@ -26,23 +25,26 @@ DEFAULT = (64, 64, 4, 2)  # kinds without a row (pre/post-processing, block mask
 # such forward kernels take 32-column KV tiles instead.
 SCORE_LOAD_FWD_BLOCK_N = 32
 
-# Kernels with dropout (spec.dropout) hold Philox state next to the tile: where the default sits
-# at the register limit, fewer rows per warp (forward: one 16-row MMA tile per warp), so that
-# they compile without spills. Consulted before TABLE; head dims past its rows fall through.
-DROPOUT_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
+# Kernels that hold extra state next to the tile (dropout's Philox state, the backward's
+# buffer-gradient addresses and sums): where the default sits at the register limit, a smaller
+# tile, so that they compile without spills. Consulted before TABLE; head dims past its rows
+# fall through.
+LEAN_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     ("fwd", 64, None, (128, 64, 4, 2)),
-    ("fwd", 128, None, (128, 64, 8, 2)),
-    ("bwd", 32, None, (64, 128, 8, 2)),
-    ("bwd", 128, None, (32, 128, 8, 2)),
+    ("fwd", 128, None, (128, 64, 8, 2)),  # one 16-row MMA tile per warp
+    ("bwd", 32, None, (64, 128, 8, 2)),  # (64 x 64 at D=32 makes ptxas stop at 128 registers and spill)
+    ("bwd", 128, None, (64, 64, 8, 2)),  # half the dK, dV registers of TABLE's tile
+    ("bwd", 256, None, (32, 64, 8, 2)),
 ]
 
 
 def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_loads_per_element: bool = False,
-                  dropout: bool = False, **overrides) -> dict:
-    """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table."""
+                  dropout: bool = False, buffer_grads: bool = False, **overrides) -> dict:
+    """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table. `dropout`
+    and `buffer_grads` (a backward that accumulates score_mod buffer gradients) pick LEAN_TABLE."""
     fam = family(arch)
     chosen = DEFAULT
-    for row_kind, max_d, row_family, values in (DROPOUT_TABLE + TABLE if dropout else TABLE):
+    for row_kind, max_d, row_family, values in (LEAN_TABLE + TABLE if dropout or buffer_grads else TABLE):
         if row_kind == kind and head_dim <= max_d and row_family in (None, fam):
             chosen = values
             break

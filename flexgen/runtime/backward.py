@@ -92,74 +92,89 @@ def post_params_type(mod_args_type: type) -> type:
 
 # ---------------------------------------------------------------- tile configuration
 
-# head_dim -> (block_m = query rows per tile, block_n = key rows per CTA, num_warps): the largest
-# tiles that compile without register spills (sm_80 and sm_90a, ptxas -v). dK and dV of a
-# warp's keys live in registers all along: one 16-row key tile per warp, all D columns up to
-# D = 128; for D = 256 two warps share 16 key rows, D / 2 columns each (WARPS_D = 2 in bwd.cu.j2).
 PRE_POST_ROWS, PRE_POST_WARPS = 64, 4
 
 # Dynamic shared memory one CTA may use, per target.
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 
 
-def warps_d(spec: KernelSpec) -> int:
-    """Warps sharing 16 key rows (bwd.cu.j2's WARPS_D)."""
-    return max(1, 16 * spec.num_warps // spec.block_n)
+def warp_layout(head_dim: int, block_m: int, block_n: int, num_warps: int) -> tuple[int, int]:
+    """(key warps, other warps) of bwd.cu.j2 (key_warps()): key rows in groups of 32 where that
+    leaves every warp whole 16-wide steps of the query and D columns, else of 16."""
+    def whole_steps(other: int) -> bool:
+        return block_m % (16 * other) == 0 and head_dim % (16 * other) == 0
+
+    key_warps = min(max(block_n // 32, 1), num_warps)
+    while key_warps < num_warps and key_warps < block_n // 16 and not whole_steps(num_warps // key_warps):
+        key_warps *= 2
+    return key_warps, num_warps // key_warps
+
+
+def layout_fits(head_dim: int, block_m: int, block_n: int, num_warps: int) -> bool:
+    """Whether bwd.cu.j2's static_asserts hold for this tile and warp count."""
+    key_warps, other = warp_layout(head_dim, block_m, block_n, num_warps)
+    return (key_warps * other == num_warps and block_n % (16 * key_warps) == 0
+            and block_m % (16 * other) == 0 and head_dim % (16 * other) == 0)
+
+
+# dK and dV of a warp's rows and columns stay in registers all along: 128 registers at most.
+MAX_DKV_FLOATS_PER_WARP = 128 * 32  # 128 registers x 32 lanes
 
 
 def shared_memory_bytes(spec: KernelSpec) -> int:
     """Dynamic shared memory of the main backward kernel (layout in bwd.cu.j2: kv_tile_backward)."""
     d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
     stages = 2 if spec.num_stages >= 2 else 1
-    ds_tiles = 2 if warps_d(spec) > 1 else 1  # dX^T, and P^T when two warps share key rows
-    halves = 2 * bn * (d + 8) + stages * bm * (d + 8) + bm * (d + 8) + ds_tiles * bn * (bm + 8)  # K, V, Q, dO, dX^T, P^T
+    halves = 2 * bn * (d + 8) + 2 * stages * bm * (d + 8) + 2 * bn * (bm + 8)  # K, V; Q, dO per stage; P^T, dX^T
     return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
 
 
 def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
-              **overrides) -> dict:
+              buffer_grads: bool = False, **overrides) -> dict:
     """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles.
     `overrides` (block_m, block_n) come from kernel_options BLOCK_M1 / BLOCK_N1."""
     if head_dim not in HEAD_DIMS:
         raise NotImplementedError(
             f"flex_attention backward: head dim {head_dim} is not supported; supported head dims are {HEAD_DIMS}"
         )
-    cfg = choose_config("bwd", head_dim, "bf16", arch if arch in SMEM_LIMIT else "sm_80", dropout=dropout, **overrides)
-    if "block_n" in overrides and "num_warps" not in overrides:
-        cfg["num_warps"] = max(4, cfg["block_n"] // 16)  # one warp per 16 key rows: no P^T / dX^T exchange
-    bm, bn, warps = cfg["block_m"], cfg["block_n"], cfg["num_warps"]
-    per_rows = max(1, 16 * warps // bn)  # warps per 16 key rows
+    target = arch if arch in SMEM_LIMIT else "sm_80"
+    cfg = choose_config("bwd", head_dim, "bf16", target, dropout=dropout, buffer_grads=buffer_grads, **overrides)
+    bm, bn = cfg["block_m"], cfg["block_n"]
     if mask_block is not None:
         bq, bkv = mask_block
         if bq % 16 or bkv % 16:
             raise ValueError(f"flex_attention backward: block mask BLOCK_SIZE {mask_block} must be a multiple of 16")
-        if bq % (16 * per_rows):
-            raise ValueError(
-                f"flex_attention backward: head dim {head_dim} needs block mask query blocks that are multiples of "
-                f"{16 * per_rows}, got BLOCK_SIZE {mask_block}"
-            )
         while bq % bm:
             bm //= 2
         while bkv % bn:
             bn //= 2
     limit = SMEM_LIMIT.get(arch, 99 * 1024)
-    # Shared memory: one Q stage instead of two, then fewer query rows (down to 32), then fewer
-    # key rows, until the tile fits.
-    while True:
-        for stages in ((2, 1) if cfg["num_stages"] >= 2 else (1,)):
-            cfg = {"block_m": bm, "block_n": bn, "num_warps": bn // 16 * per_rows, "num_stages": stages}
-            probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=arch if arch in SMEM_LIMIT else "sm_80", **cfg)
-            if shared_memory_bytes(probe) <= limit:
-                return cfg
-        if bm > max(32, 16 * per_rows):
-            bm //= 2
-        elif bn > 16:
-            bn //= 2
-        else:
-            raise NotImplementedError(
-                f"flex_attention backward: head dim {head_dim} needs {shared_memory_bytes(probe)} bytes of shared "
-                f"memory per block, more than {arch} has ({limit}); it is not supported on this GPU"
-            )
+    # Shared memory: the first fit of fewer query rows (down to 32), then one Q/dO stage
+    # instead of two, then fewer key rows; then as many warps as the layout gives work to.
+    stage_options = (2, 1) if cfg["num_stages"] >= 2 else (1,)
+    rows = [bm >> i for i in range(8) if (bm >> i) >= min(bm, 32)]
+    for n in [bn >> i for i in range(8) if (bn >> i) >= 16]:
+        for stages in stage_options:
+            for m in rows:
+                probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=target, block_m=m, block_n=n, num_warps=1,
+                                   num_stages=stages)
+                warps = _warps_for(head_dim, m, n, cfg["num_warps"])
+                if shared_memory_bytes(probe) <= limit and warps:
+                    return {"block_m": m, "block_n": n, "num_warps": warps, "num_stages": stages}
+    raise NotImplementedError(
+        f"flex_attention backward: head dim {head_dim} has no tile that fits {arch}'s {limit} bytes of shared memory "
+        f"per block and its registers; it is not supported on this GPU"
+    )
+
+
+def _warps_for(head_dim: int, block_m: int, block_n: int, warps: int) -> int:
+    """The most warps, up to `warps`, whose layout gives each one whole MMA steps and at most
+    MAX_DKV_FLOATS_PER_WARP of dK, dV; 0 if there are none."""
+    while warps >= 1:
+        if layout_fits(head_dim, block_m, block_n, warps) and 2 * block_n * head_dim <= MAX_DKV_FLOATS_PER_WARP * warps:
+            return warps
+        warps //= 2
+    return 0
 
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
@@ -246,7 +261,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if bm is not None:
         bm = _int32_lists(bm)
     tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None, base.dropout,
-                      **bwd_tile_overrides(kernel_options))
+                      bool(grad_buffers), **bwd_tile_overrides(kernel_options))
     spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, **tiles)
     pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
         block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
