@@ -19,8 +19,9 @@ from .dsl.mod import Mod
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _KERNEL_OPTION_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
-# The backward's tile, under PyTorch's names: query rows (BLOCK_M1) per step of a KV tile of BLOCK_N1 rows.
-_BWD_OPTION_NAMES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n"}
+# The backward's tile, under PyTorch's names: query rows (BLOCK_M1) per step of a KV tile of BLOCK_N1 rows;
+# num_warps1 (flexgen's): the backward's warps per CTA, at most (fewer if the tile's warp layout needs).
+_BWD_OPTION_NAMES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
 # deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod.
 _FLAG_OPTIONS = ("deterministic", "precise_math")
 
@@ -161,7 +162,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 
 
 def bwd_tile_overrides(kernel_options: dict | None) -> dict:
-    """kernel_options BLOCK_M1 / BLOCK_N1 as backward config fields."""
+    """kernel_options BLOCK_M1 / BLOCK_N1 / num_warps1 as backward config fields."""
     options = kernel_options or {}
     return {field: int(options[name]) for name, field in _BWD_OPTION_NAMES.items() if name in options}
 

@@ -155,3 +155,16 @@ def test_bwd_dropout_other_head_dims(head_dim):
                      dropout=True, **tiles)
     resources = jit.get_kernel(spec).resources
     assert not has_spills(resources), f"dropout D={head_dim} tile {spec.block_m}x{spec.block_n}: {resources}"
+
+
+def test_tile_overrides_and_warp_layouts():
+    """BLOCK_M1 / BLOCK_N1 / num_warps1 reach the config; warps shrink to a layout that gives each
+    one whole 16-wide steps and at most 128 registers of dK, dV."""
+    assert bw.bwd_tiles(128, "sm_90a", block_m=64, block_n=64, num_warps=4) == dict(
+        block_m=64, block_n=64, num_warps=4, num_stages=2)
+    assert bw.warp_layout(128, 64, 128, 8) == (4, 2)  # 32 keys x 32 queries of S^T, 32 keys x 64 of dK, dV
+    assert bw.warp_layout(128, 16, 32, 8) == (2, 4)   # too few queries: 16-row key groups
+    assert not bw.layout_fits(128, 16, 32, 8) and bw.bwd_tiles(128, "sm_90a", (16, 32))["num_warps"] == 2
+    # 8 warps of a 64 x 256 tile would need 256 registers each for dK and dV: the table's 64 x 64 holds
+    cfg = bw.bwd_tiles(256, "sm_90a")
+    assert 2 * cfg["block_n"] * 256 <= bw.MAX_DKV_FLOATS_PER_WARP * cfg["num_warps"]

@@ -278,11 +278,12 @@ def test_small_mask_blocks():
 
 
 @gpu
-@pytest.mark.parametrize("opts", [{"BLOCK_N1": 64}, {"BLOCK_M1": 64, "BLOCK_N1": 64}, {"BLOCK_M1": 16, "BLOCK_N1": 128}],
+@pytest.mark.parametrize("opts", [{"BLOCK_N1": 64}, {"BLOCK_M1": 64, "BLOCK_N1": 64}, {"BLOCK_M1": 16, "BLOCK_N1": 128},
+                                  {"BLOCK_M1": 64, "BLOCK_N1": 64, "num_warps1": 4}, {"BLOCK_M1": 128}],
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("name", ["causal", "alibi_causal", "document"])
 def test_backward_tile_options(name, opts):
-    """kernel_options BLOCK_M1 / BLOCK_N1 pick the backward's tile (PyTorch's names)."""
+    """kernel_options BLOCK_M1 / BLOCK_N1 (PyTorch's names) and num_warps1 pick the backward's tile."""
     check_variant(name, Shape(1, 2, 700, 650), 128, torch.bfloat16, kernel_options=opts)
 
 
