@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,7 +204,9 @@ def _with_buffers(mod: Mod, tensors) -> Mod:
     return dataclasses.replace(mod, buffers=dict(zip(mod.buffer_names, tensors)))
 
 
-_VARIANTS: dict[str, Variant] = {}
+# key -> Variant; least recently used first out past _MAX_VARIANTS (see dsl/mod.py's tokens).
+_VARIANTS: "OrderedDict[str, Variant]" = OrderedDict()
+_MAX_VARIANTS = 4096
 
 
 @torch._dynamo.assume_constant_result
@@ -211,17 +214,22 @@ def variant_key(score_token: str, mask_token: str, block_size, seq_lengths, kern
     """The key the ops carry; registers what it stands for."""
     options = tuple(sorted((kernel_options or {}).items()))
     key = repr((score_token, mask_token, block_size, seq_lengths, options))
-    if key not in _VARIANTS:
+    if key in _VARIANTS:
+        _VARIANTS.move_to_end(key)
+    else:
         _VARIANTS[key] = Variant(
             mod_for_token(score_token) if score_token else None,
             mod_for_token(mask_token) if mask_token else None,
             block_size, seq_lengths, dict(options),
         )
+        if len(_VARIANTS) > _MAX_VARIANTS:
+            _VARIANTS.popitem(last=False)
     return key
 
 
 def variant(key: str) -> Variant:
     try:
+        _VARIANTS.move_to_end(key)
         return _VARIANTS[key]
     except KeyError:
         raise RuntimeError(f"flexgen: unknown variant key {key!r}; keys are made by flex_attention in this process") from None

@@ -338,3 +338,31 @@ def test_inductor_end_to_end_with_a_cpu_stand_in_kernel(monkeypatch, how, grads)
     eager = run(masked)
     for got, want in zip(run(torch.compile(masked, fullgraph=True)), eager):
         torch.testing.assert_close(got, want)
+
+
+def test_token_and_variant_registries_are_bounded_and_hold_no_tensors(monkeypatch):
+    """A parameter value that changes on every call makes new tokens: the registries stay bounded,
+    and a registered Mod's buffers are not kept alive by them."""
+    import gc
+    import weakref
+
+    from flexgen import variant as variant_mod
+    from flexgen.dsl import mod as mod_mod
+
+    monkeypatch.setattr(mod_mod, "_BY_TOKEN", mod_mod.OrderedDict())
+    monkeypatch.setattr(mod_mod, "_MAX_TOKENS", 8)
+    monkeypatch.setattr(variant_mod, "_VARIANTS", variant_mod.OrderedDict())
+    monkeypatch.setattr(variant_mod, "_MAX_VARIANTS", 8)
+    slopes = torch.rand(H)
+    alive = weakref.ref(slopes)
+    for cap in range(1, 30):
+        m = flexgen.variants.softcap(float(cap))
+        variant_mod.variant_key(m.token, "", None, None, None)
+    alibi = flexgen.variants.alibi(slopes)
+    token = alibi.token
+    assert len(mod_mod._BY_TOKEN) <= 8 and len(variant_mod._VARIANTS) <= 8
+    rebuilt = mod_mod.mod_for_token(token)
+    assert rebuilt.token == token and rebuilt.buffer_tensors == (None,)
+    del alibi, slopes
+    gc.collect()
+    assert alive() is None

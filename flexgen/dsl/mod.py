@@ -8,6 +8,7 @@ wherever FlexAttention expects a plain function.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -21,17 +22,27 @@ from .printer import pretty
 SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_ARGS = ("b", "h", "q_idx", "kv_idx")
 
-# token -> a Mod with that structure and those parameter values: torch.library ops carry
-# only the token and get the buffer tensors as inputs (flexgen/ops.py).
-_BY_TOKEN: dict[str, "Mod"] = {}
+# token -> what a Mod with that structure and those parameter values is made of, without its
+# buffer tensors: torch.library ops carry only the token and get the buffers as inputs
+# (flexgen/ops.py). Least recently used first out past _MAX_TOKENS, so that a parameter whose
+# value changes on every call cannot grow it without bound; it keeps no tensor alive.
+_BY_TOKEN: "OrderedDict[str, tuple]" = OrderedDict()
+_MAX_TOKENS = 4096
 
 
 def register_mod(mod: "Mod") -> None:
-    _BY_TOKEN.setdefault(mod.token, mod)
+    if mod.token in _BY_TOKEN:
+        _BY_TOKEN.move_to_end(mod.token)
+        return
+    _BY_TOKEN[mod.token] = (mod.kind, mod.expr, dict(mod.params), mod.name, mod.source)
+    if len(_BY_TOKEN) > _MAX_TOKENS:
+        _BY_TOKEN.popitem(last=False)
 
 
 def mod_for_token(token: str) -> "Mod":
-    return _BY_TOKEN[token]
+    """A Mod with this token's structure and parameters and no buffer tensors (bind them later)."""
+    kind, expr, params, name, source = _BY_TOKEN[token]
+    return Mod(kind, expr, {}, params, name, source)
 
 
 @dataclass(frozen=True, eq=False)
