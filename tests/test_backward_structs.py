@@ -112,9 +112,15 @@ def test_source_is_readable():
     score, mask, grads = _variants()["alibi_learnable"]
     spec = _bwd_spec(score, mask, grads, 64, "bf16", "sm_90a")
     src = jit.plan(spec)[0]
-    for text in ("score_mod_bwd(x, b, h, q_eval, kv_eval, ds, p.mod)", "mask_mod(b, h, q_eval, kv_eval, p.mod)",
-                 "alibi_slopes_grad", "dV += P^T dO", "dK += dX^T Q", "dQ[m0 : m0 + BLOCK_M] += dX K"):
+    for text in ("score_mod_bwd(x, b, h, q_eval, kv_eval, ds, p.mod, grads)", "mask_mod(b, h, q_eval, kv_eval, p.mod)",
+                 "grads.add(0, &args.alibi_slopes_grad[", "flexgen_grad_add(grads.addr[k], grads.sum[k])",
+                 "dV += P^T dO", "dK += dX^T Q", "dQ[m0 : m0 + BLOCK_M] += dX K"):
         assert text in src
+    # without learnable buffers: no gradient slots, the original call
+    score, mask, grads = _variants()["softcap_causal"]
+    src = jit.plan(_bwd_spec(score, mask, grads, 64, "bf16", "sm_90a"))[0]
+    assert "score_mod_bwd(x, b, h, q_eval, kv_eval, ds, p.mod)" in src
+    assert "FlexgenGradSlots" not in src and "flexgen_grad_add" not in src
 
 
 def test_unsupported_head_dim_is_a_clear_error():

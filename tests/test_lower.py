@@ -126,14 +126,20 @@ def run_on_host(cases: list[Case], tmp_path, seed: int = 0):
                 stride = torch.empty(view.shape).stride(f.source[2])  # the grad buffer is contiguous
                 main.append(f"    args.{f.name} = {stride};")
         call = "(__uint_as_float(in_score[i]), in_b[i], in_h[i], in_q_idx[i], in_kv_idx[i]"
+        grads = ", grads" if low.grad_sites else ""
+        if low.grad_sites:  # one thread's slots across every point, flushed at the end, as a kernel step does
+            main.append(f"    c{i}::FlexgenGradSlots grads = {{}};")
         main.append(f"    for (int i = 0; i < {N_POINTS}; ++i) {{")
         if case.kind == "score":
             main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod{call}, args)));')
         elif case.kind == "mask":
             main.append(f'      std::printf("%d\\n", (int)c{i}::mask_mod(in_b[i], in_h[i], in_q_idx[i], in_kv_idx[i], args));')
         else:  # bwd with grad_out = 1 + i / N
-            main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod_bwd{call}, 1.0f + (float)i / {N_POINTS}, args)));')
+            main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod_bwd{call}, 1.0f + (float)i / {N_POINTS}, args{grads})));')
         main.append("    }")
+        if low.grad_sites:
+            main.append(f"    for (int k = 0; k < c{i}::FLEXGEN_GRAD_SITES; ++k)")
+            main.append("      if (grads.addr[k] != nullptr) atomicAdd(grads.addr[k], grads.sum[k]);")
         for name in case.grad_buffers:
             numel = case.buffers[name][1].numel()
             main.append(f'    for (int j = 0; j < {numel}; ++j) std::printf("%08x\\n", __float_as_uint(c{i}_{name}_grad[j]));')
@@ -423,6 +429,10 @@ def test_score_mod_bwd_matches_derivative(tmp_path):
         bin_("add", bin_("mul", S, ir.param("scale", DType.FLOAT32)), bias),
         un("tanh", bin_("mul", S, bias)),
         ir.where(bin_("ge", Q, KV), bin_("mul", S, S), c(float("-inf"))),
+        # gradient slots: one element for every point (one running sum), then two sites, one of
+        # them often on the same element as the point before (b has 4 values)
+        bin_("mul", S, ir.load(spec, (c(3), c(5)))),
+        bin_("add", un("tanh", bin_("mul", S, bias)), ir.load(spec, (B, c(2)))),
     ]
     cases = [Case("bwd", e, buffers={"bias": pair} if "bias" in repr(e) else {}, params={"scale": 0.5},
                   grad_buffers=("bias",) if "bias" in repr(e) else ()) for e in exprs]
@@ -456,6 +466,25 @@ def test_identity_and_no_mask():
     assert "score_mod_bwd" in low.score_mod_bwd_fn and "__device__" not in low.score_mod_bwd_fn
     bwd = lower_mods(_spec(kind="bwd"))
     assert "return grad_out;" in bwd.score_mod_bwd_fn
+
+
+def test_buffer_gradient_sites():
+    """With grad buffers, score_mod_bwd takes per-thread slots, one per read site, and each site
+    names the element it adds into; without, the signature and body carry no trace of them."""
+    pytest.importorskip("flexgen.dsl.derivative")
+    spec = BufferSpec("bias", "float32", 2)
+    score = bin_("add", bin_("mul", S, ir.load(spec, (H, _idx(bin_("sub", Q, KV), 11)))), ir.load(spec, (B, c(2))))
+    low = lower_mods(_spec(score, kind="bwd", grad_buffers=("bias",)))
+    fn = low.score_mod_bwd_fn
+    assert low.grad_sites == 2 and "constexpr int FLEXGEN_GRAD_SITES = 2;" in fn
+    assert "const ModArgs& args, FlexgenGradSlots& grads) {" in fn
+    assert "grads.add(0, &args.bias_grad[(long long)h * args.bias_grad_stride0 + " in fn
+    assert "grads.add(1, &args.bias_grad[(long long)b * args.bias_grad_stride0 + (long long)2 * args.bias_grad_stride1], " \
+           "__fmul_rn(grad_out, 1.0f));" in fn
+    assert "d/dbias[b, 2] = 1.0  (gradient site 1)" in fn
+    plain = lower_mods(_spec(score, kind="bwd"))  # the buffer is not learnable
+    assert plain.grad_sites == 0 and "FlexgenGradSlots" not in plain.score_mod_bwd_fn
+    assert "float grad_out, const ModArgs& args) {" in plain.score_mod_bwd_fn and "grads" not in plain.score_mod_bwd_fn
 
 
 def test_text_is_readable():

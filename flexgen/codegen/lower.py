@@ -6,6 +6,7 @@
     float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args);
     bool  mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args);
     float score_mod_bwd(..., float grad_out, const ModArgs& args);   // kind "bwd" only
+    float score_mod_bwd(..., const ModArgs& args, FlexgenGradSlots& grads);  // ... with buffer gradients
 
 Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
 Python (small helper functions), floats are float32, int32/int64 are int/long long.
@@ -49,6 +50,27 @@ SCORE_BWD_SIGNATURE = (
     "__device__ __forceinline__ float score_mod_bwd(float score, int b, int h, int q_idx, int kv_idx, "
     "float grad_out, const ModArgs& args)"
 )
+SCORE_BWD_GRADS_SIGNATURE = SCORE_BWD_SIGNATURE[:-1] + ", FlexgenGradSlots& grads)"
+
+# Buffer gradients: score_mod_bwd runs for each of the ~32 scores a thread handles per step, and
+# neighbouring scores often read the same buffer element (ALiBi's slopes[h]: every one of them).
+# So each gradient site k keeps a running sum for the element it last added to, in slot k of a
+# per-thread struct the kernel owns; a different element first sends the old sum out with a plain
+# atomic (lanes may diverge here, so nothing warp-wide). The kernel flushes what is left at the
+# end of a step, where the warp is converged and can merge lanes that share an element.
+_GRAD_SLOTS = """constexpr int FLEXGEN_GRAD_SITES = {sites};  // gradient sites (grads.add calls) in score_mod_bwd
+struct FlexgenGradSlots {{
+    float* addr[FLEXGEN_GRAD_SITES];  // element slot k sums into; null: nothing pending
+    float sum[FLEXGEN_GRAD_SITES];
+    // k is a literal at every call, so both arrays stay in registers.
+    __device__ __forceinline__ void add(int k, float* element, float value) {{
+        const bool same = element == addr[k];
+        // a new element: the old sum goes out now, with a plain atomic (lanes diverge here)
+        if (!same && addr[k] != nullptr) atomicAdd(addr[k], sum[k]);
+        sum[k] = same ? sum[k] + value : value;
+        addr[k] = element;
+    }}
+}};"""
 
 _CPP_KEYWORDS = frozenset(
     """alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
@@ -83,13 +105,14 @@ class LoweredMods:
     mod_args_decl: str  # helper device functions the variant uses, then `struct ModArgs { ... };`
     score_mod_fn: str
     mask_mod_fn: str
-    score_mod_bwd_fn: str  # a comment only, unless spec.kind == "bwd"
+    score_mod_bwd_fn: str  # a comment only, unless spec.kind == "bwd"; with grad_sites, FlexgenGradSlots first
     fields: tuple[ArgField, ...]
     buffers: tuple[BufferSpec, ...]
     params: tuple[tuple[str, DType], ...]
     grad_buffers: tuple[str, ...]
     helpers: tuple[str, ...]  # names of the helper functions in mod_args_decl
     mask_reads_buffers: bool = False  # the forward then evaluates the mask before QK^T (register pressure)
+    grad_sites: int = 0  # buffer-gradient sites in score_mod_bwd: > 0 means it takes `FlexgenGradSlots& grads`
 
     @property
     def code(self) -> str:
@@ -392,10 +415,11 @@ def _mask_fn(expr: Node | None, names, helpers) -> str:
     return _function(MASK_SIGNATURE, [f"mask_mod: {pretty(expr)}"], body, body[expr])
 
 
-def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers) -> str:
+def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers) -> tuple[str, int]:
+    """The text of score_mod_bwd and its number of gradient sites (0: no `grads` parameter)."""
     if expr is None:
         return _function(SCORE_BWD_SIGNATURE, ["score_mod_bwd: identity score_mod, d/dscore = 1"],
-                         _Body([], names, helpers), "grad_out")
+                         _Body([], names, helpers), "grad_out"), 0
     from ..dsl import derivative  # written alongside; imported only when a backward kernel is lowered
 
     dscore = derivative.grad_score(expr)
@@ -409,13 +433,18 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
     body = _Body(roots, names, helpers)
     comment = [f"score_mod_bwd of: {pretty(expr)}", f"  d/dscore = {pretty(dscore)}"]
     comment += [f"  d/d{name}[...] = 0 everywhere (no differentiable read)" for name in zero]
-    for ld, p in partials:
+    for k, (ld, p) in enumerate(partials):
         spec = ld.attr
         member = names[spec.name]
         offset = _Body.index(spec, ld.args, [body[i] for i in ld.args], f"{member}_grad")
-        comment.append(f"  d/d{pretty(ld)} = {pretty(p)}")
-        body.lines.append(f"    atomicAdd(&args.{member}_grad[{offset}], __fmul_rn(grad_out, {_unparen(body[p])}));")
-    return _function(SCORE_BWD_SIGNATURE, comment, body, f"__fmul_rn(grad_out, {_unparen(body[dscore])})")
+        comment.append(f"  d/d{pretty(ld)} = {pretty(p)}  (gradient site {k})")
+        body.lines.append(f"    grads.add({k}, &args.{member}_grad[{offset}], __fmul_rn(grad_out, {_unparen(body[p])}));")
+    result = f"__fmul_rn(grad_out, {_unparen(body[dscore])})"
+    if not partials:
+        return _function(SCORE_BWD_SIGNATURE, comment, body, result), 0
+    comment.append("  grads.add(k, &element, grad_out * derivative): a running sum in slot k; the kernel flushes the slots")
+    fn = _function(SCORE_BWD_GRADS_SIGNATURE, comment, body, result)
+    return _GRAD_SLOTS.format(sites=len(partials)) + "\n\n" + fn, len(partials)
 
 
 # ---------------------------------------------------------------- the struct
@@ -490,9 +519,9 @@ def lower_mods(spec) -> LoweredMods:
     score_fn = _score_fn(spec.score_expr, names, helpers)
     mask_fn = _mask_fn(spec.mask_expr, names, helpers)
     if spec.kind == "bwd":
-        bwd_fn = _score_bwd_fn(spec.score_expr, tuple(spec.grad_buffers), names, helpers)
+        bwd_fn, grad_sites = _score_bwd_fn(spec.score_expr, tuple(spec.grad_buffers), names, helpers)
     else:
-        bwd_fn = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}"
+        bwd_fn, grad_sites = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}", 0
     precise = "#define FLEXGEN_PRECISE_MATH 1" if spec.option("precise_math") else ""
     decl = "\n\n".join(filter(None, [precise, _helper_text(helpers), _struct(fields)]))
     return LoweredMods(
@@ -506,4 +535,5 @@ def lower_mods(spec) -> LoweredMods:
         grad_buffers=tuple(spec.grad_buffers),
         helpers=tuple(sorted(h for h in helpers if h.startswith("fg_"))),
         mask_reads_buffers=spec.mask_expr is not None and bool(buffers_of(spec.mask_expr)),
+        grad_sites=grad_sites,
     )
