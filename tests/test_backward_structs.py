@@ -174,21 +174,3 @@ def test_tile_overrides_and_warp_layouts():
     # 8 warps of a 64 x 256 tile would need 256 registers each for dK and dV: the table's 64 x 64 holds
     cfg = bw.bwd_tiles(256, "sm_90a")
     assert 2 * cfg["block_n"] * 256 <= bw.MAX_DKV_FLOATS_PER_WARP * cfg["num_warps"]
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("name", ["causal", "alibi_learnable"])
-def test_bulk_dq_reduction(name, head_dim):
-    """sm_90: dQ goes through shared-memory staging tiles and the TMA unit's bulk reduction where
-    they fit (D=256's double-buffered 64 x 64 tile leaves no room); never on sm_80 or in
-    deterministic mode (an ordered read-add-write there)."""
-    score, mask, grads = _variants()[name]
-    spec = bw.with_bulk_dq(_bwd_spec(score, mask, grads, head_dim, "bf16", "sm_90a"))
-    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT["sm_90a"]
-    kernel = jit.get_kernel(spec)
-    assert not has_spills(kernel.resources), kernel.resources
-    bulk = bool(spec.option("dq_bulk"))
-    assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in kernel.ptx) == bulk
-    assert bulk == (bw.shared_memory_bytes(spec.with_(extra=(("dq_bulk", True),))) <= bw.SMEM_LIMIT["sm_90a"])
-    assert not bw.with_bulk_dq(_bwd_spec(score, mask, grads, head_dim, "bf16", "sm_80")).option("dq_bulk")
-    assert not bw.with_bulk_dq(_bwd_spec(score, mask, grads, head_dim, "bf16", "sm_90a", deterministic=True)).option("dq_bulk")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -122,37 +121,12 @@ def layout_fits(head_dim: int, block_m: int, block_n: int, num_warps: int) -> bo
 MAX_DKV_FLOATS_PER_WARP = 128 * 32  # 128 registers x 32 lanes
 
 
-def dq_staging_bytes(spec: KernelSpec) -> int:
-    """Shared memory of the DQ_BULK staging tiles (bwd.cu.j2's dQ layout): one per dQ warp."""
-    d, bm, warps = spec.head_dim, spec.block_m, spec.num_warps
-    warps_m = min(max(bm // 32, 1), warps)
-    warps_d = warps // warps_m
-    while (d // 16) % warps_d:
-        warps_d -= 1
-    chunk = 32 if (d // warps_d) % 32 == 0 else 16
-    return warps_m * warps_d * (bm // warps_m) * (chunk + 8) * 4
-
-
 def shared_memory_bytes(spec: KernelSpec) -> int:
     """Dynamic shared memory of the main backward kernel (layout in bwd.cu.j2: kv_tile_backward)."""
     d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
     stages = 2 if spec.num_stages >= 2 else 1
     halves = 2 * bn * (d + 8) + 2 * stages * bm * (d + 8) + 2 * bn * (bm + 8)  # K, V; Q, dO per stage; P^T, dX^T
-    staging = dq_staging_bytes(spec) if spec.option("dq_bulk") else 0
-    return 2 * halves + 2 * stages * bm * 4 + staging  # + lse and delta per stage, dQ staging
-
-
-# Targets whose TMA unit adds a shared-memory tile into global memory (cp.reduce.async.bulk).
-BULK_REDUCE_ARCHS = ("sm_90", "sm_90a")
-
-
-def with_bulk_dq(spec: KernelSpec) -> KernelSpec:
-    """The spec with dQ added by the TMA unit (DQ_BULK) where the target has it, dQ is added
-    atomically (not deterministic mode) and the staging tiles fit next to the tile."""
-    if spec.arch not in BULK_REDUCE_ARCHS or spec.deterministic or os.environ.get("FLEXGEN_NO_BULK_DQ"):
-        return spec  # (FLEXGEN_NO_BULK_DQ=1: the per-element atomics, for comparisons)
-    bulk = spec.with_(extra=tuple(sorted(dict(spec.extra, dq_bulk=True).items())))
-    return bulk if shared_memory_bytes(bulk) <= SMEM_LIMIT[spec.arch] else spec
+    return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
 
 
 def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
@@ -289,8 +263,6 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None, base.dropout,
                       bool(grad_buffers), **bwd_tile_overrides(kernel_options))
     spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, **tiles)
-    if want_dq:
-        spec = with_bulk_dq(spec)
     pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
         block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
     post_spec = pre_spec.with_(kind="bwd_postprocess")
