@@ -246,8 +246,13 @@ def test_same_stream_same_bits_other_stream_other_mask():
         out, lse = flexgen_forward(q, k, v, score, mask, p, philox)
         runs.append([out, lse] + flexgen_backward(q, k, v, out, lse, do, score, mask, p, philox)[:3])
     for again in runs[1:]:
-        for a, b in zip(runs[0], again):
-            assert torch.equal(a, b), f"same (seed, offset), different bits: {tag}"
+        # out, lse, dk, dv: bitwise. dq is summed over KV tiles by atomics, in no fixed order:
+        # equal up to that rounding (a different mask would move it by far more).
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), runs[0], again):
+            if name == "dq":
+                assert (a.float() - b.float()).abs().max() <= 1e-2 * a.float().abs().max(), f"dq moved: {tag}"
+            else:
+                assert torch.equal(a, b), f"same (seed, offset), different {name}: {tag}"
     seed, offset = philox
     ones = torch.ones(B, H, L, L, dtype=torch.bool, device=DEV)
     base = dropout_keep_mask(seed, offset, B, H, L, L, p, device=DEV)
