@@ -136,7 +136,8 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     for user_name, field in _KERNEL_OPTION_NAMES.items():
         if user_name in options:
             overrides[field] = int(options.pop(user_name))
-    for name in _BWD_OPTION_NAMES:  # read by the backward (bwd_tile_overrides)
+    bwd_tile_overrides(options)  # checked now, before any launch; read by the backward
+    for name in _BWD_OPTION_NAMES:
         options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
@@ -164,7 +165,15 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 def bwd_tile_overrides(kernel_options: dict | None) -> dict:
     """kernel_options BLOCK_M1 / BLOCK_N1 / num_warps1 as backward config fields."""
     options = kernel_options or {}
-    return {field: int(options[name]) for name, field in _BWD_OPTION_NAMES.items() if name in options}
+    out = {}
+    for name, field in _BWD_OPTION_NAMES.items():
+        if name not in options:
+            continue
+        allowed = (16, 32, 64, 128, 256) if field != "num_warps" else (1, 2, 4, 8, 16)
+        if isinstance(options[name], bool) or options[name] not in allowed:
+            raise ValueError(f"flex_attention: kernel_options {name}={options[name]!r}; allowed values are {allowed}")
+        out[field] = int(options[name])
+    return out
 
 
 # Device copies of captured buffers that live elsewhere (e.g. a variant built on the CPU),

@@ -174,3 +174,11 @@ def test_tile_overrides_and_warp_layouts():
     # 8 warps of a 64 x 256 tile would need 256 registers each for dK and dV: the table's 64 x 64 holds
     cfg = bw.bwd_tiles(256, "sm_90a")
     assert 2 * cfg["block_n"] * 256 <= bw.MAX_DKV_FLOATS_PER_WARP * cfg["num_warps"]
+
+
+@pytest.mark.parametrize("options", [{"BLOCK_M1": 48}, {"BLOCK_N1": 8}, {"num_warps1": 3}, {"BLOCK_M1": "x"}])
+def test_bad_backward_tile_options_are_clear_errors(options):
+    from flexgen.attention import bwd_tile_overrides
+
+    with pytest.raises(ValueError, match="allowed values"):
+        bwd_tile_overrides(options)

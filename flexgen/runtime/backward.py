@@ -132,7 +132,8 @@ def shared_memory_bytes(spec: KernelSpec) -> int:
 def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
               buffer_grads: bool = False, **overrides) -> dict:
     """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles.
-    `overrides` (block_m, block_n) come from kernel_options BLOCK_M1 / BLOCK_N1."""
+    `overrides` (block_m, block_n, num_warps) come from kernel_options BLOCK_M1 / BLOCK_N1 / num_warps1;
+    num_warps is an upper bound (fewer where the tile's warp layout needs)."""
     if head_dim not in HEAD_DIMS:
         raise NotImplementedError(
             f"flex_attention backward: head dim {head_dim} is not supported; supported head dims are {HEAD_DIMS}"
