@@ -26,6 +26,7 @@ import torch
 
 import flexgen
 from flexgen.dsl.mod import Mod
+from lowp_math import masked_scores
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -94,15 +95,6 @@ D0 = 64
 # ---------------------------------------------------------------- the three computations
 
 
-def _grids(B, H, Lq, Lkv):
-    return (
-        torch.arange(B, device=DEV).view(B, 1, 1, 1),
-        torch.arange(H, device=DEV).view(1, H, 1, 1),
-        torch.arange(Lq, device=DEV).view(1, 1, Lq, 1),
-        torch.arange(Lkv, device=DEV).view(1, 1, 1, Lkv),
-    )
-
-
 def _with_buffers(score: Mod | None, replace: dict) -> Mod | None:
     if score is None or not replace:
         return score
@@ -120,17 +112,7 @@ def lowp_grads(q, k, v, do, score, mask, scale, learn):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     bufs = {n: score.buffers[n].detach().clone().requires_grad_() for n in learn}
     score = _with_buffers(score, bufs)
-    B, Hq, Lq, _ = q.shape
-    Lkv = k.shape[2]
-    group = Hq // k.shape[1]
-    kk, vv = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if group > 1 else (k, v)
-    b, h, qi, ki = _grids(B, Hq, Lq, Lkv)
-    s = torch.matmul(q, kk.transpose(-1, -2)) * scale
-    if score is not None:
-        s = torch.as_tensor(score(s, b, h, qi, ki)).to(q.dtype).expand(B, Hq, Lq, Lkv)
-    if mask is not None:
-        m = torch.as_tensor(mask(b, h, qi, ki)).to(torch.bool).expand(B, Hq, Lq, Lkv)
-        s = s.masked_fill(~m, float("-inf"))
+    s, vv = masked_scores(q, k, v, score, mask, scale)
     dead = torch.isneginf(s).all(-1, keepdim=True)
     s = torch.where(dead, torch.zeros((), dtype=s.dtype, device=DEV), s)
     p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)

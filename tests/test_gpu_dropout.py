@@ -22,6 +22,7 @@ import flexgen
 from flexgen.attention import forward_call
 from flexgen.variant import _traced
 from flexgen.dropout import dropout_keep_mask
+from lowp_math import masked_scores
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -60,19 +61,7 @@ def _block_mask(mask, lq, lkv):
 def attention_math(q, k, v, score, mask, scale, keep=None, p=0.0):
     """(out, lse) with every op in q.dtype: float64 for the reference, bf16 / fp16 for PyTorch's
     own low-precision error. keep: the dropout mask, applied after the softmax."""
-    B, H, Lq, _ = q.shape
-    group = H // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    Lkv = k.shape[2]
-    b, h, qi, ki = (torch.arange(n, device=q.device).view([n if i == d else 1 for i in range(4)])
-                    for d, n in enumerate((B, H, Lq, Lkv)))
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if score is not None:
-        s = torch.as_tensor(score(s, b, h, qi, ki)).to(q.dtype).expand(B, H, Lq, Lkv)
-    if mask is not None:
-        visible = torch.as_tensor(mask(b, h, qi, ki)).to(torch.bool).expand(B, H, Lq, Lkv)
-        s = s.masked_fill(~visible, float("-inf"))
+    s, v = masked_scores(q, k, v, score, mask, scale)
     lse = torch.logsumexp(s if q.dtype == torch.float64 else s.float(), dim=-1)
     prob = torch.softmax(s, dim=-1)
     if keep is not None:

@@ -23,6 +23,7 @@ import torch
 
 import flexgen
 from flexgen import and_masks, or_masks, score_mod as make_score_mod
+from lowp_math import masked_scores
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -155,29 +156,9 @@ D0 = 64  # head dim of the variant sweep
 # ---------------------------------------------------------------- the three computations
 
 
-def _grids(B, H, Lq, Lkv):
-    return (
-        torch.arange(B, device=DEV).view(B, 1, 1, 1),
-        torch.arange(H, device=DEV).view(1, H, 1, 1),
-        torch.arange(Lq, device=DEV).view(1, 1, Lq, 1),
-        torch.arange(Lkv, device=DEV).view(1, 1, 1, Lkv),
-    )
-
-
 def lowp_attention(q, k, v, score, mask, scale):
     """PyTorch's own low-precision math: every op in q.dtype, as eager code would run it."""
-    B, Hq, Lq, _ = q.shape
-    Lkv = k.shape[2]
-    group = Hq // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    b, h, qi, ki = _grids(B, Hq, Lq, Lkv)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if score is not None:
-        s = torch.as_tensor(score(s, b, h, qi, ki)).to(q.dtype).expand(B, Hq, Lq, Lkv)
-    if mask is not None:
-        m = torch.as_tensor(mask(b, h, qi, ki)).to(torch.bool).expand(B, Hq, Lq, Lkv)
-        s = s.masked_fill(~m, float("-inf"))
+    s, v = masked_scores(q, k, v, score, mask, scale)
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.softmax(s, dim=-1)
     p = p.masked_fill(torch.isneginf(lse)[..., None], 0.0)
