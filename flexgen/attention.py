@@ -141,16 +141,19 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
         options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
+    family_override = options.pop("family", None)  # "sm90": the draft Hopper forward (render.py checks it)
+    if family_override is not None:
+        extra = tuple(sorted(extra + (("family", str(family_override)),)))
     if options:
         raise ValueError(
             f"flex_attention: unknown kernel_options {sorted(options)}; known: "
-            f"{sorted(_KERNEL_OPTION_NAMES) + sorted(_BWD_OPTION_NAMES) + sorted(_FLAG_OPTIONS)}"
+            f"{sorted(_KERNEL_OPTION_NAMES) + sorted(_BWD_OPTION_NAMES) + sorted(_FLAG_OPTIONS) + ['family']}"
         )
     dtype = _DTYPES[query.dtype]
     head_dim = query.shape[-1]
     arch = current_arch(query.device)
     cfg = choose_config(kind, head_dim, dtype, arch, score_loads_per_element=score is not None and has_positional_loads(score.expr),
-                        dropout=dropout, **overrides)
+                        dropout=dropout, family_override=family_override, **overrides)
     return KernelSpec(
         kind=kind, head_dim=head_dim, dtype=dtype, arch=arch,
         block_m=cfg["block_m"], block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -50,7 +50,7 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
     dt = dtype_name(dtype)
     score_expr = as_expr(score_mod, "score")
     cfg = choose_config(kind, head_dim, dt, target, score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
-                        dropout=bool(options.get("dropout", False)),
+                        dropout=bool(options.get("dropout", False)), family_override=options.get("family"),
                         **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
     fields = {k: options.pop(k) for k in list(options) if k in _SPEC_OPTIONS}
     if "grad_buffers" in fields:

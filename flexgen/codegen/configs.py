@@ -12,6 +12,8 @@ CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 # kind, max head_dim, family (None: any) -> block_m, block_n, num_warps, num_stages
 TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
+    # sm90 (draft, kernel_options={"family": "sm90"}): two consumer warpgroups x 64 query rows, double-buffered K/V.
+    ("fwd", 128, "sm90", (128, 64, 8, 2)),
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 96, None, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
     ("fwd", 128, None, (128, 64, 4, 1)),  # one K/V stage: 348 vs 330 TFLOP/s on full attention (H200, NOTES.md)
@@ -30,6 +32,8 @@ SCORE_LOAD_FWD_BLOCK_N = 32
 # tile, so that they compile without spills. Consulted before TABLE; head dims past its rows
 # fall through.
 LEAN_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
+    # sm90 (draft, kernel_options={"family": "sm90"}): two consumer warpgroups x 64 query rows, double-buffered K/V.
+    ("fwd", 128, "sm90", (128, 64, 8, 2)),
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 128, None, (128, 64, 8, 2)),  # one 16-row MMA tile per warp
     ("bwd", 32, None, (64, 128, 8, 2)),  # (64 x 64 at D=32 makes ptxas stop at 128 registers and spill)
@@ -39,10 +43,12 @@ LEAN_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
 
 
 def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_loads_per_element: bool = False,
-                  dropout: bool = False, buffer_grads: bool = False, **overrides) -> dict:
+                  dropout: bool = False, buffer_grads: bool = False, family_override: str | None = None,
+                  **overrides) -> dict:
     """Config for one kernel; keyword overrides (e.g. block_n=32) win over the table. `dropout`
-    and `buffer_grads` (a backward that accumulates score_mod buffer gradients) pick LEAN_TABLE."""
-    fam = family(arch)
+    and `buffer_grads` (a backward that accumulates score_mod buffer gradients) pick LEAN_TABLE.
+    `family_override` is the spec option "family" (e.g. "sm90"), when set."""
+    fam = family_override or family(arch)
     chosen = DEFAULT
     for row_kind, max_d, row_family, values in (LEAN_TABLE + TABLE if dropout or buffer_grads else TABLE):
         if row_kind == kind and head_dim <= max_d and row_family in (None, fam):

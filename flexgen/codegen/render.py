@@ -73,8 +73,25 @@ def available_templates(template_dir: str | Path | None = None) -> list[str]:
     return sorted(t for t in env.list_templates() if t.endswith(".cu.j2") and t.count("/") == 1)
 
 
+# Template families that can be chosen through the spec option "family" instead of arch.family(),
+# with the kinds each one has. sm90 is a draft forward (wgmma), selected only for testing.
+SELECTABLE_FAMILIES = {"sm90": ("fwd",)}
+
+
 def template_name(spec) -> str:
-    return f"{spec.family}/{spec.kind}.cu.j2"
+    forced = spec.option("family")
+    if forced is None:
+        return f"{spec.family}/{spec.kind}.cu.j2"
+    if forced not in SELECTABLE_FAMILIES:
+        raise ValueError(f"kernel option family={forced!r}: selectable families are {sorted(SELECTABLE_FAMILIES)}")
+    if spec.kind not in SELECTABLE_FAMILIES[forced]:
+        raise ValueError(f"kernel option family={forced!r} has only {SELECTABLE_FAMILIES[forced]} kernels, not {spec.kind!r}")
+    if forced == "sm90":
+        if spec.arch not in ("sm_90", "sm_90a"):
+            raise ValueError(f"kernel option family='sm90' needs arch sm_90a (wgmma), not {spec.arch}")
+        if spec.dropout:
+            raise ValueError("kernel option family='sm90': the draft Hopper forward has no dropout yet")
+    return f"{forced}/{spec.kind}.cu.j2"
 
 
 DTYPE_INFO = {"bf16": ("bfloat16", True), "fp16": ("float16", False)}

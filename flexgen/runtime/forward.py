@@ -57,11 +57,24 @@ def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
 
 
 def shared_memory_bytes(spec: KernelSpec) -> int:
+    if spec.option("family") == "sm90":
+        return sm90_shared_memory_bytes(spec)
     stages = 2 if spec.num_stages >= 2 else 1  # K and V buffers each
     tiles = (spec.block_m + 2 * stages * spec.block_n) * (spec.head_dim + 8) * 2
     threads = 32 * spec.num_warps
     words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)  # one bit per element of S (fwd.cu.j2: MASK_FIRST)
     return tiles + 4 * threads * words_per_thread
+
+
+def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
+    """Mirror of templates/sm90/fwd.cu.j2's SMEM_BYTES: 1024 bytes to align the base to a 128-byte
+    swizzle atom, Q (block_m x D), two stages of K and V (block_n x D each), one mask bit per
+    element of S per thread."""
+    stages = 2 if spec.num_stages >= 2 else 1
+    tiles = (spec.block_m + 2 * stages * spec.block_n) * spec.head_dim * 2
+    threads = 32 * spec.num_warps
+    words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)
+    return 1024 + tiles + 4 * threads * words_per_thread
 
 
 def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
