@@ -55,7 +55,7 @@ def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_loads_p
             chosen = values
             break
     cfg = dict(zip(CONFIG_FIELDS, chosen))
-    if kind == "fwd" and score_loads_per_element:
+    if kind == "fwd" and score_loads_per_element and fam != "sm90":  # sm90: 64 is the smallest wgmma N it has
         cfg["block_n"] = min(cfg["block_n"], SCORE_LOAD_FWD_BLOCK_N)
     unknown = set(overrides) - set(CONFIG_FIELDS)
     if unknown:

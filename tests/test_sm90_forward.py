@@ -1,0 +1,159 @@
+"""The draft Hopper forward (templates/sm90/fwd.cu.j2, kernel_options={"family": "sm90"}).
+
+CPU: it renders and compiles for sm_90a without spills, uses wgmma for both products, its
+FwdParams has the host mirror's size, and its exported shared-memory size equals
+runtime/forward.py's mirror; the family option is refused where there is no such kernel.
+GPU (marked, skipped without one; needs a Hopper): outputs against the float64 reference,
+with the bar of tests/test_gpu_forward.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from flexgen import variants as V
+from flexgen.cache import jit
+from flexgen.cache.ptxas import has_spills
+from flexgen.codegen.api import make_spec
+from flexgen.codegen.configs import choose_config
+from flexgen.codegen.cstruct import pack_mod_args
+from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.render import render
+from flexgen.runtime.forward import fwd_params_type, shared_memory_bytes
+
+HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
+needs_nvrtc = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed")
+gpu = pytest.mark.gpu
+SM90 = {"family": "sm90"}
+
+
+def _cpu_variants():
+    doc = torch.zeros(64, dtype=torch.int32)
+    return {
+        "none": (None, None),
+        "causal": (None, V.causal),
+        "softcap_causal": (V.softcap(30.0), V.causal),
+        "alibi_causal": (V.alibi(4), V.causal),
+        "document": (None, V.document(doc)),  # a buffer-reading mask: the mask bits go through shared memory
+        "relative_bias": (V.relative_bias(torch.randn(4, 63)), None),  # a per-element buffer load in score_mod
+    }
+
+
+def _spec(name, D):
+    score, mask = _cpu_variants()[name]
+    return make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90), score, mask
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", list(_cpu_variants()))
+def test_compiles_without_spills_and_matches_host_layouts(name, D):
+    spec, score, mask = _spec(name, D)
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (128, 64, 8, 2)
+    kernel = jit.get_kernel(spec)
+    assert kernel.cubin[:4] == b"\x7fELF"
+    assert "sm90 family" in kernel.source
+    assert not has_spills(kernel.resources), f"{name} D={D} spills: {kernel.resources}"
+    # Both products are wgmma: S = QK^T as m64n64k16 (A, B from shared memory), O += PV as m64n{D}k16.
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", kernel.ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16", kernel.ptx)
+    assert "mma.sync" not in kernel.ptx
+    m = re.search(r"flexgen_fwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
+    assert m, "the kernel no longer exports flexgen_fwd_smem_bytes"
+    assert int(m.group(1)) == shared_memory_bytes(spec)
+    buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
+    params = {**(mask.params if mask else {}), **(score.params if score else {})}
+    mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
+    p = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{spec.entry_name}_param_0\[(\d+)\]", kernel.ptx)
+    assert p and int(p.group(1)) == ctypes.sizeof(fwd_params_type(type(mod_args)))
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+def test_fp16_compiles():
+    spec = make_spec("fwd", None, V.causal, head_dim=128, dtype="fp16", arch="sm_90a", **SM90)
+    kernel = jit.get_kernel(spec)
+    assert not has_spills(kernel.resources)
+    assert "m64n128k16.f32.f16.f16" in kernel.ptx
+
+
+def test_family_option_is_checked():
+    with pytest.raises(ValueError, match="only"):
+        render(make_spec("bwd", None, None, head_dim=64, arch="sm_90a", **SM90))
+    with pytest.raises(ValueError, match="sm_90a"):
+        render(make_spec("fwd", None, None, head_dim=64, arch="sm_80", **SM90))
+    with pytest.raises(ValueError, match="dropout"):
+        render(make_spec("fwd", None, None, head_dim=64, arch="sm_90a", dropout=True, **SM90))
+    with pytest.raises(ValueError, match="selectable"):
+        render(make_spec("fwd", None, None, head_dim=64, arch="sm_90a", family="sm70"))
+
+
+def test_default_family_is_unchanged():
+    spec = make_spec("fwd", None, None, head_dim=128, arch="sm_90a")
+    assert spec.family == "sm80" and spec.option("family") is None
+    assert "mma_16816" in render(spec)
+
+
+def test_config_table():
+    assert choose_config("fwd", 64, "bf16", "sm_90a", family_override="sm90") == dict(
+        block_m=128, block_n=64, num_warps=8, num_stages=2)
+    # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
+    assert choose_config("fwd", 128, "bf16", "sm_90a", score_loads_per_element=True, family_override="sm90")["block_n"] == 64
+
+
+# ---------------------------------------------------------------- on a Hopper GPU
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+hopper = pytest.mark.skipif(not _is_hopper(), reason="the sm90 forward needs a Hopper (sm_90) GPU")
+
+GPU_VARIANTS = ["none", "causal", "softcap_causal", "alibi_causal", "document", "sliding_window", "relative_bias",
+                "per_head_mask", "padding_mask"]
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", GPU_VARIANTS)
+def test_sm90_variants_match_reference(name, D):
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("lq,lkv", [(1, 1), (17, 17), (1, 4097), (4097, 1000), (1000, 17)])
+@pytest.mark.parametrize("name", ["none", "causal"])
+def test_sm90_lengths(name, lq, lkv):
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(1, 2, lq, lkv), 128, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name", ["late_causal", "nothing"])
+def test_sm90_fully_masked_rows(name):
+    """Rows that see nothing: O = 0 and lse = -inf (checked by assert_matches)."""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(1, 2, 600, 600), 64, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name", ["none", "causal", "document"])
+def test_sm90_fp16_and_gqa(name):
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(2, 4, 777, 777), 128, torch.float16, kernel_options=SM90)
+    check_variant(name, Shape(2, 4, 777, 777), 64, torch.bfloat16, gqa_kv_heads=2, kernel_options=SM90)
