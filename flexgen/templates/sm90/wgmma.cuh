@@ -86,6 +86,12 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for register A fragments (packed 16-bit pairs): pins their computation before a wgmma_fence.
+template <int R>
+__device__ __forceinline__ void wgmma_fence_operands(unsigned (&a)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 
 // ------------------------------------------------------------------ the MMA
 //
