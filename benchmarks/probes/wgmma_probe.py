@@ -1,8 +1,8 @@
 """Probe for the sm_90a wgmma building blocks (flexgen/templates/sm90/wgmma.cuh).
 
 Compiles flexgen/templates/sm90/wgmma_probe.cu with NVRTC for sm_90a and, on a Hopper GPU,
-runs C = A @ B.T (A, B: 64 x K bf16, C: 64 x 64 fp32) for each shared-memory layout and
-compares with torch. Checks at once: the matrix descriptors (start address, LBO, SBO, swizzle
+runs C = A @ B.T (A, B: 64 x K bf16, C: 64 x 64 fp32) for each shared-memory layout, and
+C = P @ V with P from registers and V MN-major (the forward's O += P V), and compares with torch. Checks at once: the matrix descriptors (start address, LBO, SBO, swizzle
 bits), the 128-byte-swizzled and the non-swizzled operand layouts, the fence / commit / wait
 sequence and the accumulator -> (row, col) mapping.
 
@@ -37,6 +37,7 @@ class Mode:
     k: int
     lbo: int  # bytes
     sbo: int  # bytes
+    pv: bool = False  # C = A @ B (A from registers, B MN-major) instead of A @ B.T
 
 
 MODES = {
@@ -46,6 +47,9 @@ MODES = {
     "sw128-k128": Mode("wgmma_probe_sw128_k128", 128, lbo=16, sbo=1024),
     # No swizzle, 8x8 core matrices with K blocks outer: LBO (along K) = 8 * 128, SBO (along M/N) = 128.
     "none": Mode("wgmma_probe_interleave_k64", 64, lbo=1024, sbo=128),
+    # O += P V of the sm90 forward: A from registers, B = V (64 x 64, [k][n]) MN-major, 128-byte swizzle.
+    # MN-major: SBO = next 8-row group along K (1024); LBO = next 64-column panel along N (unused at N = 64).
+    "pv-mn-sw128": Mode("wgmma_probe_pv_sw128_n64", 64, lbo=8192, sbo=1024, pv=True),
 }
 
 
@@ -81,7 +85,8 @@ def run(cubin: bytes, mode: Mode, lbo: int, sbo: int, seed: int = 0):
     fn((1, 1, 1), (128, 1, 1), (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()), np.uint64(c.data_ptr()),
                                 np.uint32(lbo), np.uint32(sbo)))
     torch.cuda.synchronize()
-    return c.cpu(), a.float().cpu() @ b.float().cpu().T
+    ref = a.float().cpu() @ (b.float().cpu() if mode.pv else b.float().cpu().T)
+    return c.cpu(), ref
 
 
 def rel_error(c, ref) -> float:

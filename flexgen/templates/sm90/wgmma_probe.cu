@@ -21,6 +21,19 @@ __device__ __forceinline__ void probe_load_tile(unsigned short* smem, const unsi
     }
 }
 
+// Closes the batch of wgmmas, waits for it, and writes the 64 x 64 accumulator to C (row-major).
+__device__ __forceinline__ void probe_finish(float (&d)[32], float* C, int tid) {
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operands(d);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        int row, col;
+        wgmma_acc_coord(tid, i, row, col);
+        C[row * 64 + col] = d[i];
+    }
+}
+
 template <int kK, bool kSwizzle128>
 __device__ __forceinline__ void probe_body(unsigned short* sA, unsigned short* sB, const unsigned short* A,
                                            const unsigned short* B, float* C, unsigned lbo, unsigned sbo) {
@@ -44,16 +57,48 @@ __device__ __forceinline__ void probe_body(unsigned short* sA, unsigned short* s
         const unsigned step = 2u * probe_offset<kK, kSwizzle128>(0, 16 * s);
         wgmma_m64n64k16_bf16_ss(d, wgmma_desc(a0 + step, lbo, sbo, swz), wgmma_desc(b0 + step, lbo, sbo, swz), s > 0);
     }
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    wgmma_fence_operands(d);
+    probe_finish(d, C, tid);
+}
 
+// P V probe: C (64 x 64) = P (64 x 64) * V (64 x 64), both bf16 row-major in global memory.
+// P goes to registers in the A-fragment layout; V ([k][n], n contiguous) is stored in the same
+// sw128 layout as a K-major tile (rows = k) and read MN-major (imm-trans-b = 1), as the sm90
+// forward reads its V tiles. lbo / sbo: MN-major meanings (LBO = next 64-column panel along N,
+// unused at N = 64; SBO = next 8-row group along K, 1024).
+__device__ __forceinline__ void probe_pv_body(unsigned short* sV, const unsigned short* P, const unsigned short* V,
+                                              float* C, unsigned lbo, unsigned sbo) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    probe_load_tile<64, true>(sV, V, tid);
+    fence_proxy_async_shared();
+    __syncthreads();
+
+    float d[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        int row, col;
-        wgmma_acc_coord(tid, i, row, col);
-        C[row * 64 + col] = d[i];
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+    unsigned a[4][4];
+    const int row = warp * 16 + (lane >> 2);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const int col = 16 * s + 2 * (lane & 3);
+        a[s][0] = *reinterpret_cast<const unsigned*>(P + row * 64 + col);
+        a[s][1] = *reinterpret_cast<const unsigned*>(P + (row + 8) * 64 + col);
+        a[s][2] = *reinterpret_cast<const unsigned*>(P + row * 64 + col + 8);
+        a[s][3] = *reinterpret_cast<const unsigned*>(P + (row + 8) * 64 + col + 8);
+        wgmma_fence_operands(a[s]);
     }
+    const unsigned v0 = wgmma_smem_u32(sV);
+    wgmma_fence_operands(d);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)  // K step s: rows [16 s, 16 s + 16) of V, 16 rows * 128 bytes further
+        wgmma_m64n64k16_bf16_rs_tn(d, a[s], wgmma_desc(v0 + s * 16 * 128, lbo, sbo, kSwizzle128B), s > 0);
+    probe_finish(d, C, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    wgmma_probe_pv_sw128_n64(const unsigned short* P, const unsigned short* V, float* C, unsigned lbo, unsigned sbo) {
+    __shared__ __align__(1024) unsigned short sV[64 * 64];
+    probe_pv_body(sV, P, V, C, lbo, sbo);
 }
 
 #define WGMMA_PROBE_ENTRY(NAME, K, SWIZZLE)                                                               \
