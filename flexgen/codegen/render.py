@@ -105,7 +105,7 @@ def derived_constants(spec) -> dict:
         "is_bf16": is_bf16,
         "num_threads": spec.num_warps * 32,
         "sm": spec.sm,
-        "family": spec.family,
+        "family": spec.option("family") or spec.family,
         "entry": spec.entry_name,
         "has_score_mod": spec.score_expr is not None,
         "has_mask_mod": spec.mask_expr is not None,
