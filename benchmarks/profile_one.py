@@ -8,6 +8,7 @@ Runs the pair twice (the first call compiles and warms up), then synchronizes.
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -21,7 +22,10 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kernel-options", default=None, help="JSON dict passed to flex_attention")
+    p.add_argument("--fwd-only", action="store_true")
     args = p.parse_args()
+    opts = json.loads(args.kernel_options) if args.kernel_options else None
     n, d = args.seqlen, args.head_dim
     q, k, v = (torch.randn(args.batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -34,8 +38,9 @@ def main() -> None:
         ids = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 6 + 1)
         bm = flexgen.create_block_mask(flexgen.variants.document(ids), None, None, n, n)
     for _ in range(2):
-        out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
-        out.backward(torch.ones_like(out))
+        out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, kernel_options=opts)
+        if not args.fwd_only:
+            out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
     print("ok", tuple(out.shape))
 

@@ -110,9 +110,25 @@ def jit_target() -> str:
 
 
 def family(arch: str) -> str:
-    """Template family for an architecture. Hopper uses the sm80 family until an sm90 family exists;
-    a new family slots in here."""
+    """Base template family for an architecture: sm80 (mma.sync, cp.async) serves every GPU from
+    sm_80 on and every kernel kind. Hopper's forward can take the sm90 family instead: see
+    forward_family."""
     sm = int(re.sub(r"\D", "", arch)[:2])
     if sm < 80:
         raise UnsupportedArchError(f"{arch} is older than sm_80")
     return "sm80"
+
+
+# What the sm90 forward template covers (templates/sm90/fwd.cu.j2): tile 128 x {64, 128}, two
+# consumer warpgroups, two K/V stages, head dims 64 and 128, no dropout.
+SM90_FORWARD_HEAD_DIMS = (64, 128)
+
+
+def forward_family(arch: str, head_dim: int, dropout: bool = False, tile_overrides: bool = False) -> str:
+    """Template family the forward pass uses by default: sm90 (wgmma, a producer warpgroup,
+    mbarriers) on Hopper where that template covers the call, else the base family. Tile
+    overrides (BLOCK_M, BLOCK_N, num_warps, num_stages) are sm80 tile choices, so they keep sm80."""
+    sm = int(re.sub(r"\D", "", arch)[:2])
+    if sm == 90 and head_dim in SM90_FORWARD_HEAD_DIMS and not dropout and not tile_overrides:
+        return "sm90"
+    return family(arch)

@@ -23,7 +23,7 @@ _KERNEL_OPTION_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps":
 # num_warps1 (flexgen's): the backward's warps per CTA, at most (fewer if the tile's warp layout needs).
 _BWD_OPTION_NAMES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
 # deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod.
-_FLAG_OPTIONS = ("deterministic", "precise_math")
+_FLAG_OPTIONS = ("deterministic", "precise_math", "pingpong")  # pingpong: the sm90 forward's warpgroup turns (default on)
 
 # Traced score_mods, keyed by the function and what its closure holds right now, so a
 # training loop traces once; rebinding a closure variable to a new tensor retraces.
@@ -126,6 +126,26 @@ def _check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
         raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
 
 
+_FAMILIES = ("sm80", "sm90")
+
+
+def _forward_family_option(kind: str, requested, query: torch.Tensor, head_dim: int, dropout: bool,
+                           tile_overrides: bool) -> str | None:
+    """The spec option "family" for this kernel: None for the base (sm80) family, "sm90" for the Hopper
+    forward. kernel_options={"family": "sm80"} keeps the base family; "sm90" asks for the Hopper one
+    (render.py refuses it where it does not apply); unset picks arch.forward_family's default."""
+    from .arch import current_arch, forward_family
+
+    if requested is not None and requested not in _FAMILIES:
+        raise ValueError(f"flex_attention: kernel_options family={requested!r}; allowed: {list(_FAMILIES)}")
+    if requested == "sm80" or kind != "fwd":
+        return None if requested in (None, "sm80") else requested
+    if requested == "sm90":
+        return "sm90"
+    chosen = forward_family(current_arch(query.device), head_dim, dropout=dropout, tile_overrides=tile_overrides)
+    return "sm90" if chosen == "sm90" else None
+
+
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False) -> KernelSpec:
     from .arch import current_arch
@@ -141,9 +161,10 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
         options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
-    family_override = options.pop("family", None)  # "sm90": the draft Hopper forward (render.py checks it)
+    family_override = _forward_family_option(kind, options.pop("family", None), query, head_dim=query.shape[-1],
+                                             dropout=dropout, tile_overrides=bool(overrides))
     if family_override is not None:
-        extra = tuple(sorted(extra + (("family", str(family_override)),)))
+        extra = tuple(sorted(extra + (("family", family_override),)))
     if options:
         raise ValueError(
             f"flex_attention: unknown kernel_options {sorted(options)}; known: "

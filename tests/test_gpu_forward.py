@@ -303,6 +303,14 @@ def test_variant_bf16(name):
 
 
 @gpu
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_variant_bf16_sm80_family(name):
+    """The base family by request: on a Hopper GPU the default forward is the sm90 one, so the sm80
+    kernels (every other GPU's) get their own run here."""
+    check_variant(name, Shape(2, 4, 1000, 1000), D0, torch.bfloat16, kernel_options={"family": "sm80"})
+
+
+@gpu
 @pytest.mark.parametrize("name", FP16_VARIANTS)
 def test_variant_fp16(name):
     check_variant(name, Shape(2, 4, 1000, 1000), D0, torch.float16)

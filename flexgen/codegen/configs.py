@@ -12,8 +12,9 @@ CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 # kind, max head_dim, family (None: any) -> block_m, block_n, num_warps, num_stages
 TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
-    # sm90 (draft, kernel_options={"family": "sm90"}): two consumer warpgroups x 64 query rows, double-buffered K/V.
-    ("fwd", 128, "sm90", (128, 64, 8, 2)),
+    # sm90 (kernel_options={"family": "sm90"}): two consumer warpgroups x 64 query rows (+ a producer warp),
+    # double-buffered K/V.
+    ("fwd", 128, "sm90", (128, 128, 8, 2)),
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 96, None, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
     ("fwd", 128, None, (128, 64, 4, 1)),  # one K/V stage: 348 vs 330 TFLOP/s on full attention (H200, NOTES.md)
@@ -32,8 +33,6 @@ SCORE_LOAD_FWD_BLOCK_N = 32
 # tile, so that they compile without spills. Consulted before TABLE; head dims past its rows
 # fall through.
 LEAN_TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
-    # sm90 (draft, kernel_options={"family": "sm90"}): two consumer warpgroups x 64 query rows, double-buffered K/V.
-    ("fwd", 128, "sm90", (128, 64, 8, 2)),
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 128, None, (128, 64, 8, 2)),  # one 16-row MMA tile per warp
     ("bwd", 32, None, (64, 128, 8, 2)),  # (64 x 64 at D=32 makes ptxas stop at 128 registers and spill)
@@ -55,8 +54,8 @@ def choose_config(kind: str, head_dim: int, dtype: str, arch: str, score_loads_p
             chosen = values
             break
     cfg = dict(zip(CONFIG_FIELDS, chosen))
-    if kind == "fwd" and score_loads_per_element and fam != "sm90":  # sm90: 64 is the smallest wgmma N it has
-        cfg["block_n"] = min(cfg["block_n"], SCORE_LOAD_FWD_BLOCK_N)
+    if kind == "fwd" and score_loads_per_element:  # sm90: 64 is the smallest wgmma N it has
+        cfg["block_n"] = min(cfg["block_n"], SCORE_LOAD_FWD_BLOCK_N if fam != "sm90" else 64)
     unknown = set(overrides) - set(CONFIG_FIELDS)
     if unknown:
         raise TypeError(f"unknown config field(s) {sorted(unknown)}; config fields are {CONFIG_FIELDS}")

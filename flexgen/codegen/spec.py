@@ -10,9 +10,9 @@ Contract between stages
   `mask_expr` into CUDA text (see lower.py for the exact signatures).
 * `flexgen.codegen.render.render(spec) -> str` picks
   `flexgen/templates/<family>/<kind>.cu.j2` (family from `arch`: "sm80" for
-  sm_80/86/89, and for sm_90a until a Hopper family exists; the option
-  extra "family" = "sm90" picks the draft Hopper forward instead, see
-  render.SELECTABLE_FAMILIES) and renders it with
+  every GPU from sm_80 on; the option extra "family" = "sm90" picks the Hopper
+  forward instead, which flex_attention sets by default on sm_90, see
+  arch.forward_family and render.SELECTABLE_FAMILIES) and renders it with
   `spec`, `mods` (the LoweredMods) and `cfg` (derived constants below).
 * Every template defines exactly one entry point, `extern "C" __global__`,
   named `spec.entry_name`, taking a single `const __grid_constant__` params

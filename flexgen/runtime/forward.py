@@ -69,12 +69,17 @@ def shared_memory_bytes(spec: KernelSpec) -> int:
 def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
     """Mirror of templates/sm90/fwd.cu.j2's SMEM_BYTES: 1024 bytes to align the base to a 128-byte
     swizzle atom, Q (block_m x D), two stages of K and V (block_n x D each), one mask bit per
-    element of S per thread."""
+    element of S per consumer thread, 128 bytes of barriers."""
     stages = 2 if spec.num_stages >= 2 else 1
     tiles = (spec.block_m + 2 * stages * spec.block_n) * spec.head_dim * 2
-    threads = 32 * spec.num_warps
+    threads = 32 * spec.num_warps  # consumer threads: only they keep mask bits
     words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)
-    return 1024 + tiles + 4 * threads * words_per_thread
+    return 1024 + tiles + 4 * threads * words_per_thread + 128  # + the pipeline's mbarriers
+
+
+def threads_per_cta(spec: KernelSpec) -> int:
+    """The sm90 forward runs a producer warpgroup beside its num_warps consumer warps."""
+    return 32 * spec.num_warps + (128 if spec.option("family") == "sm90" else 0)
 
 
 def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
@@ -116,6 +121,6 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     grid = (-(-q_len // spec.block_m), heads, batch)
-    block = (spec.num_warps * 32, 1, 1)
+    block = (threads_per_cta(spec), 1, 1)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     kernel.launch(grid, block, shared_memory_bytes(spec), stream, p)
