@@ -31,6 +31,7 @@ _FWD_FIELDS = [
     ("fkvn_stride_b", _i64), ("fkvn_stride_h", _i64), ("fkvn_stride_q", _i64),
     ("fkvi_stride_b", _i64), ("fkvi_stride_h", _i64), ("fkvi_stride_q", _i64),
     ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32),
+    ("batch", _i32),
 ]
 # Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
 DROPOUT_FIELDS = [
@@ -82,6 +83,11 @@ def threads_per_cta(spec: KernelSpec) -> int:
     return 32 * spec.num_warps + (128 if spec.option("family") == "sm90" else 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
     """Strides of a (B or 1, H or 1, nQ, ...) block-mask tensor; size-1 dims broadcast (stride 0)."""
     if t is None:
@@ -120,7 +126,11 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     if spec.dropout:
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
-    grid = (-(-q_len // spec.block_m), heads, batch)
+    p.batch = batch
+    if spec.option("family") == "sm90":  # persistent: one CTA per SM walks the B x H x query-tile space
+        grid = (min(-(-q_len // spec.block_m) * heads * batch, _sm_count(q.device)), 1, 1)
+    else:
+        grid = (-(-q_len // spec.block_m), heads, batch)
     block = (threads_per_cta(spec), 1, 1)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     kernel.launch(grid, block, shared_memory_bytes(spec), stream, p)
