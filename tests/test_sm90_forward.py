@@ -196,3 +196,16 @@ def test_sm90_refuses_what_it_does_not_cover():
         render(make_spec("fwd", None, None, head_dim=256, arch="sm_90a", **SM90))
     with pytest.raises(ValueError, match="tile"):
         render(make_spec("fwd", None, None, head_dim=128, arch="sm_90a", block_n=32, **SM90))
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "softcap_causal"])
+def test_sm90_persistent_many_tiles_per_cta(name):
+    """With a block mask the sm90 grid is persistent: at 4 x 8 heads x 17 query tiles (544 work tiles)
+    every CTA of an H200 (132 SMs) walks about four, carrying its pipeline's stages and phases from
+    one to the next. (Written after the session's last GPU run: the bench's output checks covered
+    this path then, at N=8k.)"""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(4, 8, 2049, 2049), 128, torch.bfloat16, kernel_options=SM90)
