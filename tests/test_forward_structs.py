@@ -60,6 +60,29 @@ def test_fwd_compiles_and_struct_matches(name, arch):
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
 
 
+@pytest.mark.parametrize("family,dropout", [(None, False), (None, True), ("sm90", False)])
+def test_fwd_params_field_offsets_match_the_host_mirror(family, dropout):
+    """Every FwdParams field sits at the same offset in the template's struct as in the ctypes mirror
+    the launcher fills (a size check alone would miss two swapped fields)."""
+    from flexgen.cache import nvrtc
+    from flexgen.codegen.render import render
+
+    score, mask = V.alibi(4), V.document(torch.zeros(64, dtype=torch.int32))
+    options = {"family": family} if family else {}
+    spec = make_spec("fwd", score, mask, head_dim=128, dtype="bf16", arch="sm_90a", dropout=dropout, **options)
+    mod_args = pack_mod_args(lower_mods(spec), {**mask.buffers, **score.buffers}, {**mask.params, **score.params},
+                             check_device=False)
+    host = fwd_params_type(type(mod_args), dropout)
+    names = [name for name, _ in host._fields_]
+    # (offset + 1: a zero-initialised constant has no initializer in the PTX)
+    probe = "\n".join(f'extern "C" __device__ const unsigned long long flexgen_offset_{n} = __builtin_offsetof(FwdParams, {n}) + 1;'
+                      for n in names)
+    ptx = nvrtc.ptx(render(spec) + "\n" + probe, ["--gpu-architecture=sm_90a", "-std=c++17", "-default-device"])
+    for n in names:
+        m = re.search(rf"flexgen_offset_{n}\s*=\s*(\d+)", ptx)
+        assert m and int(m.group(1)) - 1 == getattr(host, n).offset, (n, m and m.group(1), getattr(host, n).offset)
+
+
 def test_fwd_head_dims_and_dtypes_compile():
     for head_dim, dtype in ((32, "fp16"), (96, "bf16"), (128, "fp16"), (256, "bf16")):
         spec = make_spec("fwd", V.softcap(20.0), V.causal, head_dim=head_dim, dtype=dtype, arch="sm_80")
