@@ -132,3 +132,21 @@ def forward_family(arch: str, head_dim: int, dropout: bool = False, tile_overrid
     if sm == 90 and head_dim in SM90_FORWARD_HEAD_DIMS and not dropout and not tile_overrides:
         return "sm90"
     return family(arch)
+
+
+FAMILY_CHOICES = ("sm80", "sm90")
+
+
+def resolve_forward_family(kind: str, requested: str | None, arch: str, head_dim: int, dropout: bool,
+                           tile_overrides: bool) -> str | None:
+    """The spec option "family" of a kernel: None for the base (sm80) family, "sm90" for the Hopper
+    forward. requested "sm80" keeps the base family; "sm90" asks for the Hopper one (render.py refuses
+    it where it does not apply); None picks forward_family's default for forward kernels."""
+    if requested is not None and requested not in FAMILY_CHOICES:
+        raise ValueError(f"kernel option family={requested!r}; allowed: {list(FAMILY_CHOICES)}")
+    if requested == "sm80":
+        return None
+    if requested == "sm90" or kind != "fwd":
+        return requested
+    chosen = forward_family(arch, head_dim, dropout=dropout, tile_overrides=tile_overrides)
+    return "sm90" if chosen == "sm90" else None

@@ -126,29 +126,9 @@ def _check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
         raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
 
 
-_FAMILIES = ("sm80", "sm90")
-
-
-def _forward_family_option(kind: str, requested, query: torch.Tensor, head_dim: int, dropout: bool,
-                           tile_overrides: bool) -> str | None:
-    """The spec option "family" for this kernel: None for the base (sm80) family, "sm90" for the Hopper
-    forward. kernel_options={"family": "sm80"} keeps the base family; "sm90" asks for the Hopper one
-    (render.py refuses it where it does not apply); unset picks arch.forward_family's default."""
-    from .arch import current_arch, forward_family
-
-    if requested is not None and requested not in _FAMILIES:
-        raise ValueError(f"flex_attention: kernel_options family={requested!r}; allowed: {list(_FAMILIES)}")
-    if requested == "sm80" or kind != "fwd":
-        return None if requested in (None, "sm80") else requested
-    if requested == "sm90":
-        return "sm90"
-    chosen = forward_family(current_arch(query.device), head_dim, dropout=dropout, tile_overrides=tile_overrides)
-    return "sm90" if chosen == "sm90" else None
-
-
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False) -> KernelSpec:
-    from .arch import current_arch
+    from .arch import current_arch, resolve_forward_family
     from .codegen.configs import choose_config
 
     options = dict(kernel_options or {})
@@ -161,8 +141,8 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
         options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
-    family_override = _forward_family_option(kind, options.pop("family", None), query, head_dim=query.shape[-1],
-                                             dropout=dropout, tile_overrides=bool(overrides))
+    family_override = resolve_forward_family(kind, options.pop("family", None), current_arch(query.device),
+                                             head_dim=query.shape[-1], dropout=dropout, tile_overrides=bool(overrides))
     if family_override is not None:
         extra = tuple(sorted(extra + (("family", family_override),)))
     if options:

@@ -198,10 +198,10 @@ def test_dropout_tiles():
     """Dropout kernels get their own tile where the default sits at the register limit."""
     from flexgen.codegen.api import make_spec
 
-    plain = make_spec("fwd", head_dim=128, arch="sm_90a")
+    plain = make_spec("fwd", head_dim=128, arch="sm_90a", family="sm80")  # dropout kernels are sm80 ones
     dropped = make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True)
     assert (dropped.block_m, dropped.block_n) == (plain.block_m, plain.block_n)  # block masks fit both alike
     assert dropped.num_warps == 8 and dropped.dropout and not plain.dropout
-    at_64 = make_spec("fwd", head_dim=64, arch="sm_90a")
+    at_64 = make_spec("fwd", head_dim=64, arch="sm_90a", family="sm80")
     assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True) == at_64.with_(dropout=True)  # already fits
     assert make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, num_warps=4).num_warps == 4  # overrides win

@@ -183,9 +183,12 @@ def test_score_mods_with_per_element_loads_take_narrow_forward_tiles():
 
     alibi, rel = variants.alibi(4), variants.relative_bias(torch.randn(4, 63))
     assert not has_positional_loads(alibi.expr) and has_positional_loads(rel.expr)
-    assert make_spec("fwd", alibi, None, head_dim=128, arch="sm_90a").block_n == 64  # slopes[h]: one value per head
-    assert make_spec("fwd", rel, None, head_dim=128, arch="sm_90a").block_n == 32  # a table element per score
+    sm80 = {"family": "sm80"}
+    assert make_spec("fwd", alibi, None, head_dim=128, arch="sm_90a", **sm80).block_n == 64  # slopes[h]: one value per head
+    assert make_spec("fwd", rel, None, head_dim=128, arch="sm_90a", **sm80).block_n == 32  # a table element per score
     assert make_spec("fwd", rel, None, head_dim=128, arch="sm_90a", block_n=64).block_n == 64  # an explicit choice wins
+    # The Hopper forward's narrowest S tile is one m64n64 wgmma.
+    assert make_spec("fwd", rel, None, head_dim=128, arch="sm_90a").block_n == 64
     assert make_spec("bwd", rel, None, head_dim=128, arch="sm_90a").block_n == 128
 
 

@@ -94,12 +94,12 @@ def test_family_option_is_checked():
         render(make_spec("fwd", None, None, head_dim=64, arch="sm_80", **SM90))
     with pytest.raises(ValueError, match="dropout"):
         render(make_spec("fwd", None, None, head_dim=64, arch="sm_90a", dropout=True, **SM90))
-    with pytest.raises(ValueError, match="selectable"):
-        render(make_spec("fwd", None, None, head_dim=64, arch="sm_90a", family="sm70"))
+    with pytest.raises(ValueError, match="allowed"):
+        make_spec("fwd", None, None, head_dim=64, arch="sm_90a", family="sm70")
 
 
-def test_default_family_is_unchanged():
-    spec = make_spec("fwd", None, None, head_dim=128, arch="sm_90a")
+def test_sm80_family_on_request():
+    spec = make_spec("fwd", None, None, head_dim=128, arch="sm_90a", family="sm80")
     assert spec.family == "sm80" and spec.option("family") is None
     assert "mma_16816" in render(spec)
 
@@ -174,21 +174,29 @@ def test_forward_family_default():
     assert forward_family("sm_80", 128) == "sm80" and forward_family("sm_89", 64) == "sm80"
 
 
-def test_family_option_resolution(monkeypatch):
-    import flexgen.arch as arch
-    from flexgen.attention import _forward_family_option
+def test_family_option_resolution():
+    from flexgen.arch import resolve_forward_family as resolve
 
-    q = torch.empty(1, 1, 8, 128)
-    monkeypatch.setattr(arch, "current_arch", lambda device=None: "sm_90a")
-    assert _forward_family_option("fwd", None, q, 128, False, False) == "sm90"
-    assert _forward_family_option("fwd", "sm80", q, 128, False, False) is None
-    assert _forward_family_option("fwd", None, q, 128, True, False) is None  # dropout
-    assert _forward_family_option("bwd", None, q, 128, False, False) is None
-    assert _forward_family_option("fwd", "sm90", q, 256, False, False) == "sm90"  # render.py refuses it, below
+    assert resolve("fwd", None, "sm_90a", 128, False, False) == "sm90"
+    assert resolve("fwd", "sm80", "sm_90a", 128, False, False) is None
+    assert resolve("fwd", None, "sm_90a", 128, True, False) is None  # dropout
+    assert resolve("fwd", None, "sm_90a", 128, False, True) is None  # sm80 tile options
+    assert resolve("bwd", None, "sm_90a", 128, False, False) is None
+    assert resolve("fwd", "sm90", "sm_90a", 256, False, False) == "sm90"  # render.py refuses it, below
+    assert resolve("fwd", None, "sm_80", 128, False, False) is None
     with pytest.raises(ValueError, match="allowed"):
-        _forward_family_option("fwd", "sm100", q, 128, False, False)
-    monkeypatch.setattr(arch, "current_arch", lambda device=None: "sm_80")
-    assert _forward_family_option("fwd", None, q, 128, False, False) is None
+        resolve("fwd", "sm100", "sm_90a", 128, False, False)
+
+
+def test_emit_shows_what_flex_attention_runs():
+    """make_spec / emit / the CLI resolve the family as flex_attention does: the Hopper forward on
+    sm_90a where it applies, sm80 elsewhere or on request."""
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a").option("family") == "sm90"
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").option("family") is None
+    assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").option("family") is None
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", block_n=32).option("family") is None
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_80").option("family") is None
+    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").option("family") is None
 
 
 def test_sm90_refuses_what_it_does_not_cover():

@@ -49,9 +49,14 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
     target = archmod.jit_target() if arch is None else archmod.normalize(arch)
     dt = dtype_name(dtype)
     score_expr = as_expr(score_mod, "score")
+    overrides = {k: options.pop(k) for k in CONFIG_FIELDS if k in options}
+    dropout = bool(options.get("dropout", False))
+    # The same family flex_attention would run (the Hopper forward on sm_90a, where it applies).
+    family = archmod.resolve_forward_family(kind, options.pop("family", None), target, head_dim, dropout, bool(overrides))
+    if family is not None:
+        options["family"] = family
     cfg = choose_config(kind, head_dim, dt, target, score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
-                        dropout=bool(options.get("dropout", False)), family_override=options.get("family"),
-                        **{k: options.pop(k) for k in CONFIG_FIELDS if k in options})
+                        dropout=dropout, family_override=family, **overrides)
     fields = {k: options.pop(k) for k in list(options) if k in _SPEC_OPTIONS}
     if "grad_buffers" in fields:
         fields["grad_buffers"] = tuple(fields["grad_buffers"])

@@ -11,8 +11,8 @@ Contract between stages
 * `flexgen.codegen.render.render(spec) -> str` picks
   `flexgen/templates/<family>/<kind>.cu.j2` (family from `arch`: "sm80" for
   every GPU from sm_80 on; the option extra "family" = "sm90" picks the Hopper
-  forward instead, which flex_attention sets by default on sm_90, see
-  arch.forward_family and render.SELECTABLE_FAMILIES) and renders it with
+  forward instead, which make_spec and flex_attention set by default on sm_90,
+  see arch.resolve_forward_family and render.SELECTABLE_FAMILIES) and renders it with
   `spec`, `mods` (the LoweredMods) and `cfg` (derived constants below).
 * Every template defines exactly one entry point, `extern "C" __global__`,
   named `spec.entry_name`, taking a single `const __grid_constant__` params
