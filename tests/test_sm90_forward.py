@@ -217,3 +217,14 @@ def test_sm90_persistent_many_tiles_per_cta(name):
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(4, 8, 2049, 2049), 128, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name,persistent", [("none", True), ("causal", False)])
+def test_sm90_persistent_option(name, persistent):
+    """kernel_options persistent overrides the grid choice both ways (dense attention persistent,
+    a block-masked one with one tile per CTA)."""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(4, 8, 2049, 2049), 64, torch.bfloat16, kernel_options={**SM90, "persistent": persistent})

@@ -132,8 +132,10 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
         # it runs persistent (one CTA per SM: the next tile's copies hide behind this one's epilogue;
         # H200: causal +4%, sliding window +5%); dense attention keeps one tile per CTA (persistent
         # measured 311 vs 332 TFLOP/s at D=64; the static tile order likely spreads K/V over L2).
+        # kernel_options={"persistent": ...} overrides the choice.
         work = -(-q_len // spec.block_m) * heads * batch
-        grid = (min(work, _sm_count(q.device)) if block_mask is not None else work, 1, 1)
+        persistent = spec.option("persistent", block_mask is not None)
+        grid = (min(work, _sm_count(q.device)) if persistent else work, 1, 1)
     else:
         grid = (-(-q_len // spec.block_m), heads, batch)
     block = (threads_per_cta(spec), 1, 1)
