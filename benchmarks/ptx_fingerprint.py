@@ -1,0 +1,68 @@
+"""Fingerprints (PTX hashes) of a fixed set of forward kernels, to show that a template refactor
+changes no generated code, on a machine without a GPU.
+
+    python benchmarks/ptx_fingerprint.py before.json                       # record
+    python benchmarks/ptx_fingerprint.py after.json --compare before.json  # exit 1 if any kernel changed
+
+Covers both forward families (sm80 with and without dropout, sm90) at D=64 and 128 with a plain
+mask, a buffer-reading mask with a score_mod, a per-element score load and a transcendental
+score_mod. Comments are dropped from the PTX before hashing.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexgen import variants as V  # noqa: E402
+from flexgen.cache import nvrtc  # noqa: E402
+from flexgen.codegen.api import make_spec  # noqa: E402
+from flexgen.codegen.render import render  # noqa: E402
+
+FLAGS = ["--gpu-architecture=sm_90a", "-std=c++17", "-default-device"]
+
+
+def cases() -> dict:
+    doc = torch.zeros(64, dtype=torch.int32)
+    return {"causal": (None, V.causal), "alibi_document": (V.alibi(4), V.document(doc)),
+            "relative_bias": (V.relative_bias(torch.randn(4, 63)), None), "softcap_causal": (V.softcap(30.0), V.causal)}
+
+
+def fingerprints() -> dict[str, str]:
+    out = {}
+    for family in ("sm80", "sm90"):
+        for head_dim in (64, 128):
+            for name, (score, mask) in cases().items():
+                for dropout in ((False, True) if family == "sm80" else (False,)):
+                    spec = make_spec("fwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
+                                     dropout=dropout, family=family)
+                    ptx = nvrtc.ptx(render(spec), FLAGS, name="k.cu")
+                    code = "\n".join(line for line in ptx.splitlines() if not line.startswith("//"))
+                    out[f"{family}-D{head_dim}-{name}{'-dropout' if dropout else ''}"] = hashlib.sha256(code.encode()).hexdigest()[:16]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--compare", help="an earlier output: report the kernels whose PTX differs")
+    args = p.parse_args()
+    now = fingerprints()
+    Path(args.out).write_text(json.dumps(now, indent=1) + "\n")
+    if not args.compare:
+        print(f"{len(now)} kernels")
+        return 0
+    before = json.loads(Path(args.compare).read_text())
+    changed = sorted(k for k in now if before.get(k) != now[k])
+    print(f"{len(now) - len(changed)} of {len(now)} kernels unchanged" + (f"; changed: {', '.join(changed)}" if changed else ""))
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
