@@ -1,12 +1,13 @@
-"""Fingerprints (PTX hashes) of a fixed set of forward kernels, to show that a template refactor
-changes no generated code, on a machine without a GPU.
+"""Fingerprints (PTX hashes) of a fixed set of kernels, to show that a template refactor changes no
+generated code, on a machine without a GPU.
 
     python benchmarks/ptx_fingerprint.py before.json                       # record
     python benchmarks/ptx_fingerprint.py after.json --compare before.json  # exit 1 if any kernel changed
 
 Covers both forward families (sm80 with and without dropout, sm90) at D=64 and 128 with a plain
 mask, a buffer-reading mask with a score_mod, a per-element score load and a transcendental
-score_mod. Comments are dropped from the PTX before hashing.
+score_mod, and the backward at D=64 with two of them, with and without dropout. Comments are
+dropped from the PTX before hashing.
 """
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ def fingerprints() -> dict[str, str]:
                     ptx = nvrtc.ptx(render(spec), FLAGS, name="k.cu")
                     code = "\n".join(line for line in ptx.splitlines() if not line.startswith("//"))
                     out[f"{family}-D{head_dim}-{name}{'-dropout' if dropout else ''}"] = hashlib.sha256(code.encode()).hexdigest()[:16]
+    for name in ("causal", "alibi_document"):  # the backward (sm80), with and without dropout
+        score, mask = cases()[name]
+        for dropout in (False, True):
+            spec = make_spec("bwd", score, mask, head_dim=64, dtype="bf16", arch="sm_90a", dropout=dropout)
+            ptx = nvrtc.ptx(render(spec), FLAGS, name="k.cu")
+            code = "\n".join(line for line in ptx.splitlines() if not line.startswith("//"))
+            out[f"bwd-D64-{name}{'-dropout' if dropout else ''}"] = hashlib.sha256(code.encode()).hexdigest()[:16]
     return out
 
 
