@@ -12,8 +12,8 @@ CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 # kind, max head_dim, family (None: any) -> block_m, block_n, num_warps, num_stages
 TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
-    # sm90 (kernel_options={"family": "sm90"}): two consumer warpgroups x 64 query rows (+ a producer warp),
-    # double-buffered K/V.
+    # sm90 (Hopper's default forward where it applies, arch.resolve_forward_family): two consumer
+    # warpgroups x 64 query rows (+ a producer warpgroup), double-buffered K/V.
     ("fwd", 128, "sm90", (128, 128, 8, 2)),
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 96, None, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
