@@ -143,8 +143,10 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
         options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
-    family_override = resolve_forward_family(kind, options.pop("family", None), current_arch(query.device),
-                                             head_dim=query.shape[-1], dropout=dropout, tile_overrides=bool(overrides))
+    head_dim = query.shape[-1]
+    arch = current_arch(query.device)
+    family_override = resolve_forward_family(kind, options.pop("family", None), arch, head_dim=head_dim,
+                                             dropout=dropout, tile_overrides=bool(overrides))
     if family_override is not None:
         extra = tuple(sorted(extra + (("family", family_override),)))
     if options:
@@ -153,8 +155,6 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
             f"{sorted(_KERNEL_OPTION_NAMES) + sorted(_BWD_OPTION_NAMES) + sorted(_FLAG_OPTIONS) + ['family']}"
         )
     dtype = _DTYPES[query.dtype]
-    head_dim = query.shape[-1]
-    arch = current_arch(query.device)
     cfg = choose_config(kind, head_dim, dtype, arch, score_loads_per_element=score is not None and has_positional_loads(score.expr),
                         dropout=dropout, family_override=family_override, **overrides)
     return KernelSpec(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jinja2
 
+from ..arch import SM90_FORWARD_HEAD_DIMS
 from ..cache import paths
 from .lower import LoweredMods, lower_mods
 
@@ -92,9 +93,9 @@ def template_name(spec) -> str:
             raise ValueError(f"kernel option family='sm90' needs arch sm_90a (wgmma), not {spec.arch}")
         if spec.dropout:
             raise ValueError("kernel option family='sm90': the Hopper forward has no dropout yet; use family='sm80'")
-        if spec.head_dim not in (64, 128):
-            raise ValueError(f"kernel option family='sm90': head dim {spec.head_dim} not supported (64 or 128); "
-                             "use family='sm80'")
+        if spec.head_dim not in SM90_FORWARD_HEAD_DIMS:
+            raise ValueError(f"kernel option family='sm90': head dim {spec.head_dim} not supported "
+                             f"{SM90_FORWARD_HEAD_DIMS}; use family='sm80'")
         tile = (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages)
         if spec.block_m != 128 or spec.block_n not in (64, 128) or spec.num_warps != 8 or spec.num_stages != 2:
             raise ValueError(f"kernel option family='sm90': tile (BLOCK_M, BLOCK_N, num_warps, num_stages) = {tile} "
