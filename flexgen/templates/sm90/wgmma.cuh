@@ -1,6 +1,7 @@
-// Warpgroup-level building blocks for sm_90a: shared-memory matrix descriptors, the wgmma
-// fence / commit / wait sequence, one m64n64k16 bf16 MMA with both operands in shared
-// memory, and where its fp32 accumulators sit in the 64x64 output. No CUDA headers; raw PTX.
+// Warpgroup-level building blocks for sm_90a: shared-memory layouts and matrix descriptors, the
+// wgmma fence / commit / wait sequence, and where the fp32 accumulators sit in the output. The MMA
+// instructions themselves are written per shape where they are used (sm90/fwd.cu.j2 generates
+// them; wgmma_probe.cu has the two the probe runs). No CUDA headers; raw PTX.
 //
 // Written from the PTX ISA sections "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"
 // (wgmma.mma_async, the matrix descriptor, the canonical shared-memory layouts). Still
@@ -91,50 +92,6 @@ template <int R>
 __device__ __forceinline__ void wgmma_fence_operands(unsigned (&a)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
-
-// ------------------------------------------------------------------ the MMA
-//
-// D (64 x 64 fp32, 32 registers per thread) = A (64 x 16, desc_a) * B (16 x 64, desc_b, given
-// K-major as 64 x 16) + (scale_d ? D : 0). Both operands come from shared memory.
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], unsigned long long desc_a,
-                                                        unsigned long long desc_b, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D (64 x 64 fp32) = A (64 x 16, registers) * B (16 x 64, desc_b) + (scale_d ? D : 0), with B
-// MN-major (N contiguous, imm-trans-b = 1): the O += P V product of the forward. A register
-// fragment a[0..3] is, per warp (rows 16w..16w+15), the mma.sync m16n8k16 A fragment (PTX ISA
-// Figure 148). There is no imm-trans-a operand when A is in registers.
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs_tn(float (&d)[32], const unsigned (&a)[4],
-                                                           unsigned long long desc_b, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 // ------------------------------------------------------------------ accumulator layout
