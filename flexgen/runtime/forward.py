@@ -129,13 +129,12 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     p.batch = batch
     q_tiles = -(-q_len // spec.block_m)
     if spec.option("family") == "sm90":
-        # The sm90 kernel walks work tiles w = blockIdx.x, blockIdx.x + gridDim.x, ... With a block mask
-        # it runs persistent (one CTA per SM: the next tile's copies hide behind this one's epilogue;
-        # H200: causal +4%, sliding window +5%); dense attention keeps one tile per CTA (persistent
-        # measured 311 vs 332 TFLOP/s at D=64; the static tile order likely spreads K/V over L2).
-        # kernel_options={"persistent": ...} overrides the choice.
+        # The sm90 kernel walks work tiles w = blockIdx.x, blockIdx.x + gridDim.x, ... It runs persistent
+        # (one CTA per SM: the next tile's copies hide behind this one's epilogue; H200, N=8k: sliding
+        # window +4-5%, documents +4-5%, the rest within 1%, NOTES.md); kernel_options={"persistent":
+        # False} launches one CTA per work tile instead.
         work = q_tiles * heads * batch
-        persistent = spec.option("persistent", block_mask is not None)
+        persistent = spec.option("persistent", True)
         grid = (min(work, _sm_count(q.device)) if persistent else work, 1, 1)
     else:
         grid = (q_tiles, heads, batch)
