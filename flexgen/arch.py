@@ -134,6 +134,47 @@ def forward_family(arch: str, head_dim: int, dropout: bool = False, tile_overrid
     return family(arch)
 
 
+# What the sm90 backward template covers (templates/sm90/bwd.cu.j2): KV tile 128 (two consumer
+# warpgroups x 64 keys), 64 query rows per step, head dims 64 and 128; no dropout, no buffer
+# gradients, no backward tile options, block masks whose blocks are whole tiles.
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
+SM90_BACKWARD_TILE = (64, 128)  # (query rows per step, key rows per CTA)
+
+
+def sm90_backward_refusal(arch: str, head_dim: int, dropout: bool, buffer_grads: bool, tile_overrides: bool,
+                          mask_block: tuple[int, int] | None) -> str | None:
+    """Why the sm90 backward cannot take this call (None: it can)."""
+    sm = int(re.sub(r"\D", "", arch)[:2])
+    if sm != 90:
+        return f"it needs an sm_90 GPU (wgmma), not {arch}"
+    if head_dim not in SM90_BACKWARD_HEAD_DIMS:
+        return f"head dim {head_dim} is not one of {SM90_BACKWARD_HEAD_DIMS}"
+    if dropout:
+        return "it has no dropout"
+    if buffer_grads:
+        return "it computes no score_mod buffer gradients"
+    if tile_overrides:
+        return "BLOCK_M1 / BLOCK_N1 / num_warps1 are sm80 backward tiles"
+    if mask_block is not None and (mask_block[0] % SM90_BACKWARD_TILE[0] or mask_block[1] % SM90_BACKWARD_TILE[1]):
+        return f"block mask BLOCK_SIZE {tuple(mask_block)} is not a multiple of its tile {SM90_BACKWARD_TILE}"
+    return None
+
+
+def resolve_backward_family(requested: str | None, arch: str, head_dim: int, dropout: bool, buffer_grads: bool,
+                            tile_overrides: bool, mask_block: tuple[int, int] | None) -> str | None:
+    """The backward's spec option "family": "sm90" where the Hopper backward covers the call (or
+    where the user asked for it: an error says why it cannot), None for the base family."""
+    if requested is not None and requested not in FAMILY_CHOICES:
+        raise ValueError(f"kernel option family={requested!r}; allowed: {list(FAMILY_CHOICES)}")
+    if requested == "sm80":
+        return None
+    why = sm90_backward_refusal(arch, head_dim, dropout, buffer_grads, tile_overrides, mask_block)
+    if requested == "sm90" and why is not None:
+        raise ValueError(f"kernel option family='sm90': the Hopper backward cannot run this call: {why}; "
+                         "use family='sm80'")
+    return "sm90" if why is None else None
+
+
 FAMILY_CHOICES = ("sm80", "sm90")
 
 

@@ -10,7 +10,6 @@ with the bar of tests/test_gpu_forward.py.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 
 import pytest
@@ -25,34 +24,20 @@ from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
 from flexgen.codegen.render import render
 from flexgen.runtime.forward import fwd_params_type, shared_memory_bytes
+from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
 
-HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
-needs_nvrtc = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed")
 gpu = pytest.mark.gpu
-SM90 = {"family": "sm90"}
-
-
-def _cpu_variants():
-    doc = torch.zeros(64, dtype=torch.int32)
-    return {
-        "none": (None, None),
-        "causal": (None, V.causal),
-        "softcap_causal": (V.softcap(30.0), V.causal),
-        "alibi_causal": (V.alibi(4), V.causal),
-        "document": (None, V.document(doc)),  # a buffer-reading mask: the mask bits go through shared memory
-        "relative_bias": (V.relative_bias(torch.randn(4, 63)), None),  # a per-element buffer load in score_mod
-    }
 
 
 def _spec(name, D):
-    score, mask = _cpu_variants()[name]
+    score, mask = cpu_variants()[name]
     return make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90), score, mask
 
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("name", list(_cpu_variants()))
+@pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_without_spills_and_matches_host_layouts(name, D):
     spec, score, mask = _spec(name, D)
     # Per-element score loads (relative_bias) keep the KV tile at 64 columns.
@@ -89,7 +74,7 @@ def test_fp16_compiles():
 
 def test_family_option_is_checked():
     with pytest.raises(ValueError, match="only"):
-        render(make_spec("bwd", None, None, head_dim=64, arch="sm_90a", **SM90))
+        render(make_spec("bwd_postprocess", None, None, head_dim=64, arch="sm_90a", **SM90))
     with pytest.raises(ValueError, match="sm_90a"):
         render(make_spec("fwd", None, None, head_dim=64, arch="sm_80", **SM90))
     with pytest.raises(ValueError, match="dropout"):
@@ -114,11 +99,6 @@ def test_config_table():
 # ---------------------------------------------------------------- on a Hopper GPU
 
 
-def _is_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-hopper = pytest.mark.skipif(not _is_hopper(), reason="the sm90 forward needs a Hopper (sm_90) GPU")
 
 GPU_VARIANTS = ["none", "causal", "softcap_causal", "alibi_causal", "document", "sliding_window", "relative_bias",
                 "per_head_mask", "padding_mask"]
@@ -196,7 +176,8 @@ def test_emit_shows_what_flex_attention_runs():
     assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").option("family") is None
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", block_n=32).option("family") is None
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_80").option("family") is None
-    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").option("family") is None
+    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").option("family") == "sm90"
+    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").option("family") is None
 
 
 def test_sm90_refuses_what_it_does_not_cover():

@@ -51,8 +51,13 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
     score_expr = as_expr(score_mod, "score")
     overrides = {k: options.pop(k) for k in CONFIG_FIELDS if k in options}
     dropout = bool(options.get("dropout", False))
-    # The same family flex_attention would run (the Hopper forward on sm_90a, where it applies).
-    family = archmod.resolve_forward_family(kind, options.pop("family", None), target, head_dim, dropout, bool(overrides))
+    # The same family flex_attention would run (the Hopper forward and backward on sm_90a, where they apply).
+    if kind == "bwd":
+        family = archmod.resolve_backward_family(options.pop("family", None), target, head_dim, dropout,
+                                                 bool(options.get("grad_buffers")), bool(overrides), None)
+    else:
+        family = archmod.resolve_forward_family(kind, options.pop("family", None), target, head_dim, dropout,
+                                                bool(overrides))
     if family is not None:
         options["family"] = family
     cfg = choose_config(kind, head_dim, dt, target, score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),

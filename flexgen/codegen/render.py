@@ -75,9 +75,9 @@ def available_templates(template_dir: str | Path | None = None) -> list[str]:
 
 
 # Template families that can be chosen through the spec option "family" instead of arch.family(),
-# with the kinds each one has. sm90 is the Hopper forward (wgmma); flex_attention picks it by
-# default on sm_90 where it applies (arch.forward_family).
-SELECTABLE_FAMILIES = {"sm90": ("fwd",)}
+# with the kinds each one has. sm90 is the Hopper forward and backward (wgmma); flex_attention picks
+# it by default on sm_90 where it applies (arch.forward_family, arch.resolve_backward_family).
+SELECTABLE_FAMILIES = {"sm90": ("fwd", "bwd")}
 
 
 def template_name(spec) -> str:
@@ -92,12 +92,18 @@ def template_name(spec) -> str:
         if spec.arch not in ("sm_90", "sm_90a"):
             raise ValueError(f"kernel option family='sm90' needs arch sm_90a (wgmma), not {spec.arch}")
         if spec.dropout:
-            raise ValueError("kernel option family='sm90': the Hopper forward has no dropout yet; use family='sm80'")
+            raise ValueError("kernel option family='sm90': the Hopper kernels have no dropout yet; use family='sm80'")
         if spec.head_dim not in SM90_FORWARD_HEAD_DIMS:
             raise ValueError(f"kernel option family='sm90': head dim {spec.head_dim} not supported "
                              f"{SM90_FORWARD_HEAD_DIMS}; use family='sm80'")
         tile = (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages)
-        if spec.block_m != 128 or spec.block_n not in (64, 128) or spec.num_warps != 8 or spec.num_stages != 2:
+        if spec.kind == "bwd":
+            if spec.grad_buffers:
+                raise ValueError("kernel option family='sm90': the Hopper backward has no buffer gradients; use family='sm80'")
+            if tile != (64, 128, 8, 2):
+                raise ValueError(f"kernel option family='sm90': backward tile (BLOCK_M, BLOCK_N, num_warps, num_stages) "
+                                 f"= {tile} not supported; it takes (64, 128, 8, 2)")
+        elif spec.block_m != 128 or spec.block_n not in (64, 128) or spec.num_warps != 8 or spec.num_stages != 2:
             raise ValueError(f"kernel option family='sm90': tile (BLOCK_M, BLOCK_N, num_warps, num_stages) = {tile} "
                              "not supported; it takes (128, 64 or 128, 8, 2)")
     return f"{forced}/{spec.kind}.cu.j2"

@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from ..arch import SM90_BACKWARD_TILE, resolve_backward_family
 from ..attention import mod_arguments
 from ..codegen.configs import choose_config
 from ..codegen.spec import HEAD_DIMS, KernelSpec
@@ -127,6 +128,22 @@ def shared_memory_bytes(spec: KernelSpec) -> int:
     stages = 2 if spec.num_stages >= 2 else 1
     halves = 2 * bn * (d + 8) + 2 * stages * bm * (d + 8) + 2 * bn * (bm + 8)  # K, V; Q, dO per stage; P^T, dX^T
     return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
+
+
+def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
+    """Dynamic shared memory of the sm90 backward (layout in sm90/bwd.cu.j2, SMEM_BYTES): alignment
+    slack, K, V, two stages of Q and dO, two dX buffers, two stages of lse and delta, the barriers."""
+    d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
+    return 1024 + 2 * (2 * bn * d) + 2 * 2 * (2 * bm * d) + 2 * (2 * bm * bn) + 2 * 2 * bm * 4 + 128
+
+
+def main_shared_memory_bytes(spec: KernelSpec) -> int:
+    return sm90_shared_memory_bytes(spec) if spec.option("family") == "sm90" else shared_memory_bytes(spec)
+
+
+def threads_per_cta(spec: KernelSpec) -> int:
+    """The sm90 backward adds a producer warpgroup to its consumer warps."""
+    return spec.num_warps * 32 + (128 if spec.option("family") == "sm90" else 0)
 
 
 def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
@@ -261,9 +278,16 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     base = make_spec("bwd", query, score, mask, None, dropout=dropout_p > 0)
     if bm is not None:
         bm = _int32_lists(bm)
-    tiles = bwd_tiles(d, base.arch, tuple(bm.BLOCK_SIZE) if bm is not None else None, base.dropout,
-                      bool(grad_buffers), **bwd_tile_overrides(kernel_options))
-    spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, **tiles)
+    mask_block = tuple(bm.BLOCK_SIZE) if bm is not None else None
+    tile_overrides = bwd_tile_overrides(kernel_options)
+    family = resolve_backward_family(options.get("family"), base.arch, d, base.dropout, bool(grad_buffers),
+                                     bool(tile_overrides), mask_block)
+    extra = tuple(kv for kv in base.extra if kv[0] != "family") + ((("family", family),) if family else ())
+    if family == "sm90":
+        tiles = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), (*SM90_BACKWARD_TILE, 8, 2)))
+    else:
+        tiles = bwd_tiles(d, base.arch, mask_block, base.dropout, bool(grad_buffers), **tile_overrides)
+    spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, extra=tuple(sorted(extra)), **tiles)
     pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
         block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
     post_spec = pre_spec.with_(kind="bwd_postprocess")
@@ -320,7 +344,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
-    kernel.launch(grid, (spec.num_warps * 32, 1, 1), shared_memory_bytes(spec), stream, p)
+    kernel.launch(grid, (threads_per_cta(spec), 1, 1), main_shared_memory_bytes(spec), stream, p)
 
     # 3. dQ in the input dtype
     dq = None

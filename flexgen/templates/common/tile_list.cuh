@@ -1,26 +1,13 @@
 // The list of KV tiles one query tile visits (both forward families): BLOCK_N-wide tiles, full
 // mask blocks first, then partial ones, from the BlockMask's index lists; or every tile in order
-// when there is no block mask. Needs BLOCK_N and FwdParams.
+// when there is no block mask. Needs BLOCK_N, FwdParams and common/block_tiles.cuh.
 #pragma once
 
-// The n-th KV tile this CTA visits: full mask blocks first, then partial ones;
-// each mask block is cut into mask_kv_block / BLOCK_N kernel tiles.
-struct TileList {
-    const int* full_idx;
-    const int* part_idx;
-    int n_full, n_part, sub, count;
-    bool dense;  // no block mask: tile t starts at t * BLOCK_N
-
-    __device__ int start(int t) const {
-        if (dense) return t * BLOCK_N;
-        const int blk = t / sub;
-        const int kv_block = blk < n_full ? full_idx[blk] : part_idx[blk - n_full];
-        return kv_block * sub * BLOCK_N + (t % sub) * BLOCK_N;
-    }
-    __device__ bool partial(int t) const { return t / sub >= n_full; }
-};
+using TileList = BlockTiles<BLOCK_N>;
 
 // The KV tiles of the query tile starting at row m0 of (b, h), from FwdParams' block-mask lists.
+// (Filled field by field rather than through block_tiles(): the sm80 forward sits at the register
+// limit, and that form of the same code spilled 4-8 bytes there.)
 __device__ __forceinline__ TileList kv_tiles(const FwdParams& p, int m0, int b, int h) {
     TileList tiles;
     tiles.dense = !p.has_block_mask;

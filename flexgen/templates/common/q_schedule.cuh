@@ -1,0 +1,57 @@
+// The query tiles one KV tile visits in the backward (both families): for each query head of the
+// KV head's group, full mask blocks first, then partial ones, from the BlockMask's transposed lists;
+// or every query tile in order when there is no block mask. Needs BLOCK_M, BwdParams and
+// common/block_tiles.cuh.
+#pragma once
+
+// The query tiles one (KV tile, query head) pair visits.
+using QTileList = BlockTiles<BLOCK_M>;
+
+__device__ QTileList query_tiles(const BwdParams& p, int b, int h, int kv_block) {
+    const bool masked = p.has_block_mask, has_full = p.full_q_num_blocks != nullptr;
+    return block_tiles<BLOCK_M>(
+        masked, p.mask_q_block, p.q_len,
+        p.q_num_blocks + b * p.qn_stride_b + h * p.qn_stride_h + kv_block * p.qn_stride_kv,
+        p.q_indices + b * p.qi_stride_b + h * p.qi_stride_h + kv_block * p.qi_stride_kv,
+        has_full ? p.full_q_num_blocks + b * p.fqn_stride_b + h * p.fqn_stride_h + kv_block * p.fqn_stride_kv : nullptr,
+        has_full ? p.full_q_indices + b * p.fqi_stride_b + h * p.fqi_stride_h + kv_block * p.fqi_stride_kv : nullptr);
+}
+
+// One unit of work: query tile [m0, m0 + BLOCK_M) of query head h.
+struct Work {
+    int h, m0;
+    bool partial;
+};
+
+// Walks (query head of the KV head's group, query tile) in order; tiles past q_len are skipped.
+struct Schedule {
+    int g, t;  // next: query head h_kv * kv_group + g, tile t of its list
+    QTileList list;
+
+    __device__ void begin(const BwdParams& p, int b, int h_kv, int kv_block) {
+        g = 0;
+        t = 0;
+        list = query_tiles(p, b, h_kv * p.kv_group, kv_block);
+    }
+    __device__ bool next(const BwdParams& p, int b, int h_kv, int kv_block, Work& w) {
+        while (true) {
+            if (t < list.count) {
+                const int m0 = list.start(t);
+                const bool partial = list.partial(t);
+                ++t;
+                if (m0 < p.q_len) {
+                    w.h = h_kv * p.kv_group + g;
+                    w.m0 = m0;
+                    w.partial = partial;
+                    return true;
+                }
+            } else if (g + 1 < p.kv_group) {
+                ++g;
+                t = 0;
+                list = query_tiles(p, b, h_kv * p.kv_group + g, kv_block);
+            } else {
+                return false;
+            }
+        }
+    }
+};
