@@ -95,6 +95,51 @@ def test_bwd_small_mask_blocks_and_deterministic(mask_block):
         assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
 
 
+@pytest.mark.parametrize("arch,head_dim", [("sm_80", 64), ("sm_90a", 128)])
+@pytest.mark.parametrize("name", ["alibi_learnable", "relative_bias_learnable"])
+def test_deterministic_buffer_grads_compile_without_spills(name, arch, head_dim):
+    """Deterministic mode with buffer gradients: per-warp copies, adds sent out by the whole warp."""
+    score, mask, grads = _variants()[name]
+    spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch, deterministic=True)
+    kernel = jit.get_kernel(spec)
+    assert not has_spills(kernel.resources), f"deterministic {name} D={head_dim} on {arch} spills: {kernel.resources}"
+    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+    assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
+    src = kernel.source
+    for text in ("long long shift;", "atomicAdd(addr + shift, sum);", "__syncwarp();",
+                 "const float dx_any = score_mod_bwd(x, b, h, q_eval, kv_eval, ds, p.mod, grads);",
+                 "flexgen_grad_add(grads.addr[k], grads.sum[k], grads.shift)", "__launch_bounds__(NUM_THREADS, 1)"):
+        assert text in src, text
+    assert "dx = ds != 0.f ? score_mod_bwd(" not in src  # every lane calls it: its flushes are warp-wide
+
+
+def test_deterministic_grad_copies_bound():
+    """Per-warp buffer-gradient copies: fewer splits past DETERMINISTIC_GRAD_BYTES, an error past one split."""
+    limit = bw.DETERMINISTIC_GRAD_BYTES
+    per_copy = 1024  # floats
+    copies = limit // (per_copy * 4) // 3  # three splits fit
+    assert bw.deterministic_grad_splits(8, copies, per_copy, ("t",)) == 3
+    assert bw.deterministic_grad_splits(2, copies, per_copy, ("t",)) == 2
+    assert bw.deterministic_grad_splits(5, 16, 0, ("t",)) == 5  # empty buffers
+    with pytest.raises(NotImplementedError, match=r"deterministic.*\(rel_bias\).*DETERMINISTIC_GRAD_BYTES.*'deterministic': False"):
+        bw.deterministic_grad_splits(4, 4 * copies, per_copy, ("rel_bias",))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 64])
+def test_ordered_sum_and_buffer_views(rows):
+    parts = torch.randn(rows, 10, dtype=torch.float64)
+    want = parts.sum(0)
+    got = bw._ordered_sum(parts.clone())
+    torch.testing.assert_close(got, want)
+    # a fixed pairwise order: the same bits on every call
+    again = bw._ordered_sum(parts.clone())
+    assert torch.equal(got, again)
+    buffers = {"a": torch.empty(2, 3), "b": torch.empty(4)}
+    va, vb = bw._buffer_views(got, ("a", "b"), buffers)
+    assert va.shape == (2, 3) and vb.shape == (4,)
+    assert torch.equal(va.reshape(-1), got[:6]) and torch.equal(vb, got[6:10])
+
+
 @pytest.mark.parametrize("kind", ["bwd_preprocess", "bwd_postprocess"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_pre_post_struct_sizes(kind, head_dim):

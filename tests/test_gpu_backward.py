@@ -3,7 +3,7 @@
 The bar for dq, dk and dv: the error norm against the float64 gradient is at most twice the
 error of PyTorch's own low-precision math (QK^T, score_mod, softmax and PV in bf16/fp16 with
 eager autograd) plus 1e-4. No NaN anywhere; fully masked rows give zero gradients;
-deterministic mode is bitwise repeatable.
+deterministic mode is bitwise repeatable (buffer gradients included).
 
 Gradients of score_mod buffers (a learnable ALiBi slope table, a relative-bias table) sum
 dS * d score_mod / d buffer over every (q, kv). Like every FlashAttention-2 style backward
@@ -363,11 +363,81 @@ def test_deterministic_is_bitwise_repeatable(name, gqa, D):
     assert_grads_match(first, ref, base, ["dq", "dk", "dv"], f"deterministic {name} D={D} (seed {seed})")
 
 
+def poison(*shapes_dtypes):
+    """Leave NaN-filled blocks in the caching allocator, so unwritten outputs show up as NaN."""
+    bufs = [torch.full(shape, float("nan"), dtype=dtype, device=DEV) for shape, dtype in shapes_dtypes]
+    del bufs
+
+
+def check_deterministic_buffer_grads(name, s: Shape, D, gqa_kv_heads=None, runs=3):
+    """Deterministic mode with learnable buffers: `runs` backward passes on the same inputs give
+    bitwise-equal dQ, dK, dV and buffer gradients, and the first matches float64 autograd."""
+    seed = fresh_seed()
+    Hkv = gqa_kv_heads or s.H
+    gqa = gqa_kv_heads is not None
+    q = torch.randn(s.B, s.H, s.Lq, D, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(s.B, Hkv, s.Lkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    score, mask, uses_bh, learn = _variant(name, s)
+    bm = block_mask_for(mask, uses_bh, s)
+    scale = 1 / math.sqrt(D)
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in learn]
+    tag = f"deterministic {name} {s} D={D} gqa={gqa_kv_heads} (seed {seed})"
+    results = []
+    for i in range(runs):
+        poison(((s.B, s.H, s.Lq, D), q.dtype), ((s.B, Hkv, s.Lkv, D), q.dtype),
+               *((score.buffers[n].shape, torch.float32) for n in learn))
+        results.append(flexgen_grads(q, k, v, do, score, bm, gqa, learn, {"deterministic": True}))
+        if i == 0:
+            out_used = flexgen_grads.last_out
+    first = results[0]
+    for again in results[1:]:
+        for n, a, b in zip(names, first, again):
+            assert torch.equal(a, b), f"{n} differs between runs: {tag}"
+    ref = reference_grads(q, k, v, do, score, mask, scale, gqa, learn)
+    base = lowp_grads(q, k, v, do, score, mask, scale, learn)
+    algo = rounded_delta_grads(q, k, v, do, score, mask, scale, gqa, learn, out_used)
+    assert_grads_match(first, ref, base, names, tag, algo)
+
+
 @gpu
-def test_deterministic_with_learnable_buffers_is_a_clear_error():
-    s = Shape(1, 2, 64, 64)
-    score, mask, _, _ = _variant("alibi_causal_learnable", s)
-    q = torch.randn(1, 2, 64, D0, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    out = flexgen.flex_attention(q, q, q, score_mod=score, kernel_options={"deterministic": True})
-    with pytest.raises(NotImplementedError, match="deterministic"):
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", ["alibi_causal_learnable", "relative_bias_learnable"])
+def test_deterministic_buffer_grads(name, D):
+    check_deterministic_buffer_grads(name, Shape(2, 4, 1000, 900), D)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["alibi_causal_learnable", "relative_bias_learnable"])
+def test_deterministic_buffer_grads_gqa(name):
+    check_deterministic_buffer_grads(name, Shape(2, 8, 700, 1100), D0, gqa_kv_heads=2)
+
+
+@gpu
+def test_deterministic_buffer_grads_memory_bound(monkeypatch):
+    """Past DETERMINISTIC_GRAD_BYTES the backward takes fewer splits (here one per (b, h_kv): each
+    CTA walks every KV tile) and stays exact and repeatable; past one split, a clear error."""
+    from flexgen.arch import current_arch
+    from flexgen.runtime import backward as bw
+
+    s = Shape(2, 4, 1000, 900)
+    table_bytes = s.H * (2 * 1000 - 1) * 4
+    warps = bw.bwd_tiles(D0, current_arch(), buffer_grads=True)["num_warps"]
+    chosen = []
+    pick = bw.deterministic_grad_splits
+
+    def spy(splits, copies_per_split, floats_per_copy, names):
+        chosen.append(pick(splits, copies_per_split, floats_per_copy, names))
+        return chosen[-1]
+
+    monkeypatch.setattr(bw, "deterministic_grad_splits", spy)
+    monkeypatch.setattr(bw, "DETERMINISTIC_GRAD_BYTES", s.B * s.H * warps * table_bytes)  # one split's copies
+    check_deterministic_buffer_grads("relative_bias_learnable", s, D0, runs=2)
+    assert chosen and set(chosen) == {1}
+    monkeypatch.setattr(bw, "DETERMINISTIC_GRAD_BYTES", table_bytes)
+    score, _, _, _ = _variant("relative_bias_learnable", s)
+    q = torch.randn(s.B, s.H, s.Lq, D0, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(s.B, s.H, s.Lkv, D0, device=DEV, dtype=torch.bfloat16)
+    out = flexgen.flex_attention(q, k, k, score_mod=score, kernel_options={"deterministic": True})
+    with pytest.raises(NotImplementedError, match="DETERMINISTIC_GRAD_BYTES"):
         out.sum().backward()

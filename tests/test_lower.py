@@ -43,6 +43,8 @@ static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcp
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
+// deterministic mode's warp-wide flush, for one thread: add into the copy `shift` elements on
+static inline void flexgen_grad_add(float* addr, float value, long long shift) { if (addr != nullptr) addr[shift] += value; }
 """
 
 
@@ -85,15 +87,18 @@ def _inputs(seed: int):
     return pts
 
 
-def run_on_host(cases: list[Case], tmp_path, seed: int = 0):
-    """Compile every case into one C++ program; return, per case, (host results, reference)."""
+def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool = False):
+    """Compile every case into one C++ program; return, per case, (host results, reference).
+    Backward cases take grad_out = 1 + i / N at point i; `deterministic`: deterministic mode's
+    gradient slots, and grad_out = 0 at every third point (what such a kernel passes for masked scores)."""
     pts = _inputs(seed)
     src = [SHIM]
     lowered = []
     for i, case in enumerate(cases):
         kind = "bwd" if case.kind == "bwd" else "fwd"
         spec = KernelSpec(kind=kind, score_expr=case.expr if case.kind != "mask" else None,
-                          mask_expr=case.expr if case.kind == "mask" else None, grad_buffers=case.grad_buffers)
+                          mask_expr=case.expr if case.kind == "mask" else None, grad_buffers=case.grad_buffers,
+                          deterministic=deterministic and kind == "bwd")
         low = lower_mods(spec)
         lowered.append(low)
         src.append(f"namespace c{i} {{\n{low.code}\n}}  // namespace c{i}")
@@ -134,12 +139,16 @@ def run_on_host(cases: list[Case], tmp_path, seed: int = 0):
             main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod{call}, args)));')
         elif case.kind == "mask":
             main.append(f'      std::printf("%d\\n", (int)c{i}::mask_mod(in_b[i], in_h[i], in_q_idx[i], in_kv_idx[i], args));')
-        else:  # bwd with grad_out = 1 + i / N
-            main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod_bwd{call}, 1.0f + (float)i / {N_POINTS}, args{grads})));')
+        else:  # bwd with grad_out = 1 + i / N (deterministic: 0 at every third point)
+            grad_out = f"1.0f + (float)i / {N_POINTS}"
+            if deterministic:
+                grad_out = f"(i % 3 == 0 ? 0.0f : {grad_out})"
+            main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod_bwd{call}, {grad_out}, args{grads})));')
         main.append("    }")
         if low.grad_sites:
             main.append(f"    for (int k = 0; k < c{i}::FLEXGEN_GRAD_SITES; ++k)")
-            main.append("      if (grads.addr[k] != nullptr) atomicAdd(grads.addr[k], grads.sum[k]);")
+            main.append("      if (grads.addr[k] != nullptr) atomicAdd(grads.addr[k], grads.sum[k]);" if not deterministic
+                        else "      flexgen_grad_add(grads.addr[k], grads.sum[k], grads.shift);")
         for name in case.grad_buffers:
             numel = case.buffers[name][1].numel()
             main.append(f'    for (int j = 0; j < {numel}; ++j) std::printf("%08x\\n", __float_as_uint(c{i}_{name}_grad[j]));')
@@ -421,7 +430,10 @@ def test_random_expressions_match_evaluator(tmp_path, seed):
 
 
 @needs_gxx
-def test_score_mod_bwd_matches_derivative(tmp_path):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_score_mod_bwd_matches_derivative(tmp_path, deterministic):
+    """score_mod_bwd and its buffer-gradient slots (deterministic mode's too: one thread's sums,
+    grad_out = 0 adding nothing) against the derivative and float64 autograd."""
     derivative = pytest.importorskip("flexgen.dsl.derivative")
     spec, pair = _buffer("bias", torch.float32, (8, 11), seed=40)
     bias = ir.load(spec, (H, _idx(bin_("sub", Q, KV), 11)))
@@ -436,10 +448,12 @@ def test_score_mod_bwd_matches_derivative(tmp_path):
     ]
     cases = [Case("bwd", e, buffers={"bias": pair} if "bias" in repr(e) else {}, params={"scale": 0.5},
                   grad_buffers=("bias",) if "bias" in repr(e) else ()) for e in exprs]
-    results = run_on_host(cases, tmp_path)
+    results = run_on_host(cases, tmp_path, deterministic=deterministic)
     for case, (got, _, grads, pts) in zip(cases, results):
         bufs = {n: v for n, (_, v) in case.buffers.items()}
         grad_out = 1.0 + torch.arange(N_POINTS, dtype=torch.float32) / N_POINTS
+        if deterministic:
+            grad_out[::3] = 0.0
         dscore = evaluate(derivative.grad_score(case.expr), pts, bufs, case.params, float_dtype=torch.float32)
         torch.testing.assert_close(got, (grad_out * dscore).expand(N_POINTS), rtol=1e-5, atol=1e-6, equal_nan=True)
         for name in case.grad_buffers:
@@ -485,6 +499,13 @@ def test_buffer_gradient_sites():
     plain = lower_mods(_spec(score, kind="bwd"))  # the buffer is not learnable
     assert plain.grad_sites == 0 and "FlexgenGradSlots" not in plain.score_mod_bwd_fn
     assert "float grad_out, const ModArgs& args) {" in plain.score_mod_bwd_fn and "grads" not in plain.score_mod_bwd_fn
+    # deterministic mode: the same sites, given grad_out and the derivative (the slots skip grad_out == 0),
+    # and a per-warp shift into the warp's own copy of the gradients
+    det = lower_mods(_spec(score, kind="bwd", grad_buffers=("bias",), deterministic=True)).score_mod_bwd_fn
+    assert "long long shift;" in det and "flexgen_grad_add(live && !same ? addr[k] : nullptr, sum[k], shift);" in det
+    assert "grads.add(1, &args.bias_grad[(long long)b * args.bias_grad_stride0 + (long long)2 * args.bias_grad_stride1], " \
+           "grad_out, 1.0f);" in det
+    assert "long long shift" not in fn and "atomicAdd" not in det
 
 
 def test_text_is_readable():

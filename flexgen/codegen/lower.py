@@ -7,6 +7,7 @@
     bool  mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args);
     float score_mod_bwd(..., float grad_out, const ModArgs& args);   // kind "bwd" only
     float score_mod_bwd(..., const ModArgs& args, FlexgenGradSlots& grads);  // ... with buffer gradients
+                                                   // (deterministic mode: other slots, same signature)
 
 Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
 Python (small helper functions), floats are float32, int32/int64 are int/long long.
@@ -69,6 +70,31 @@ struct FlexgenGradSlots {{
         if (!same && addr[k] != nullptr) atomicAdd(addr[k], sum[k]);
         sum[k] = same ? sum[k] + value : value;
         addr[k] = element;
+    }}
+}};"""
+
+# Deterministic mode (spec.deterministic): the same running sums, but a sum leaves its slot only
+# with the whole warp, in a fixed order, into this warp's own partial copy of the gradients
+# (flexgen_grad_add, defined by the kernel, `shift` elements past the ModArgs pointers); the
+# runtime sums the copies in a fixed order. So every lane must call add at the same points: the
+# kernel calls score_mod_bwd for every score, and one whose grad_out is 0 (masked, or dS == 0;
+# the other mode never calls score_mod_bwd for it) adds nothing and moves no slot.
+_GRAD_SLOTS_DETERMINISTIC = """constexpr int FLEXGEN_GRAD_SITES = {sites};  // gradient sites (grads.add calls) in score_mod_bwd
+struct FlexgenGradSlots {{
+    float* addr[FLEXGEN_GRAD_SITES];  // element slot k sums into; null: nothing pending
+    float sum[FLEXGEN_GRAD_SITES];
+    long long shift;                  // this warp's partial copy: elements past the ModArgs gradient pointers
+    // Called by every lane of the warp at once; k is a literal at every call.
+    __device__ __forceinline__ void add(int k, float* element, float grad_out, float derivative) {{
+        const bool live = grad_out != 0.f;
+        const bool same = element == addr[k];
+        // lanes that move to a new element send the old sum out, all together (nothing: one vote)
+        flexgen_grad_add(live && !same ? addr[k] : nullptr, sum[k], shift);
+        if (live) {{
+            const float value = __fmul_rn(grad_out, derivative);
+            sum[k] = same ? sum[k] + value : value;
+            addr[k] = element;
+        }}
     }}
 }};"""
 
@@ -415,8 +441,10 @@ def _mask_fn(expr: Node | None, names, helpers) -> str:
     return _function(MASK_SIGNATURE, [f"mask_mod: {pretty(expr)}"], body, body[expr])
 
 
-def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers) -> tuple[str, int]:
-    """The text of score_mod_bwd and its number of gradient sites (0: no `grads` parameter)."""
+def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers,
+                  deterministic: bool = False) -> tuple[str, int]:
+    """The text of score_mod_bwd and its number of gradient sites (0: no `grads` parameter).
+    `deterministic`: the gradient slots of deterministic mode (_GRAD_SLOTS_DETERMINISTIC)."""
     if expr is None:
         return _function(SCORE_BWD_SIGNATURE, ["score_mod_bwd: identity score_mod, d/dscore = 1"],
                          _Body([], names, helpers), "grad_out"), 0
@@ -438,13 +466,19 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
         member = names[spec.name]
         offset = _Body.index(spec, ld.args, [body[i] for i in ld.args], f"{member}_grad")
         comment.append(f"  d/d{pretty(ld)} = {pretty(p)}  (gradient site {k})")
-        body.lines.append(f"    grads.add({k}, &args.{member}_grad[{offset}], __fmul_rn(grad_out, {_unparen(body[p])}));")
+        value = f"grad_out, {_unparen(body[p])}" if deterministic else f"__fmul_rn(grad_out, {_unparen(body[p])})"
+        body.lines.append(f"    grads.add({k}, &args.{member}_grad[{offset}], {value});")
     result = f"__fmul_rn(grad_out, {_unparen(body[dscore])})"
     if not partials:
         return _function(SCORE_BWD_SIGNATURE, comment, body, result), 0
-    comment.append("  grads.add(k, &element, grad_out * derivative): a running sum in slot k; the kernel flushes the slots")
+    if deterministic:
+        comment.append("  grads.add(k, &element, grad_out, derivative): a running sum in slot k, sent out warp by warp "
+                       "in a fixed order")
+    else:
+        comment.append("  grads.add(k, &element, grad_out * derivative): a running sum in slot k; the kernel flushes the slots")
     fn = _function(SCORE_BWD_GRADS_SIGNATURE, comment, body, result)
-    return _GRAD_SLOTS.format(sites=len(partials)) + "\n\n" + fn, len(partials)
+    slots = _GRAD_SLOTS_DETERMINISTIC if deterministic else _GRAD_SLOTS
+    return slots.format(sites=len(partials)) + "\n\n" + fn, len(partials)
 
 
 # ---------------------------------------------------------------- the struct
@@ -519,7 +553,8 @@ def lower_mods(spec) -> LoweredMods:
     score_fn = _score_fn(spec.score_expr, names, helpers)
     mask_fn = _mask_fn(spec.mask_expr, names, helpers)
     if spec.kind == "bwd":
-        bwd_fn, grad_sites = _score_bwd_fn(spec.score_expr, tuple(spec.grad_buffers), names, helpers)
+        bwd_fn, grad_sites = _score_bwd_fn(spec.score_expr, tuple(spec.grad_buffers), names, helpers,
+                                           spec.deterministic)
     else:
         bwd_fn, grad_sites = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}", 0
     precise = "#define FLEXGEN_PRECISE_MATH 1" if spec.option("precise_math") else ""

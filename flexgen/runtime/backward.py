@@ -15,8 +15,17 @@ CTAs per (batch, KV head); CTA x takes KV tiles x, x + splits, ... in order and 
 partial number x, which only it writes, each element always from the same thread (a plain
 read-add-write, no atomics). The postprocess sums the partials in a fixed order. Cost: fewer
 CTAs in flight (splits is chosen to fill the GPU about twice) and splits x B x H x L x D x 4
-bytes of accumulator. Buffer gradients are added with atomics by score_mod_bwd, so they are
-not available in deterministic mode.
+bytes of accumulator.
+
+Buffer gradients in deterministic mode: every warp of every CTA adds into its own fp32 copy of
+all the gradient buffers, B x H_kv x splits x num_warps copies (slot ((b * H_kv + h_kv) * splits
++ x) * num_warps + warp), which only that warp writes, in an order fixed by its program (see
+FlexgenGradSlots in codegen/lower.py and flexgen_grad_add in bwd.cu.j2); the copies are then
+summed in a fixed pairwise order (_ordered_sum). Cost: copies x (total elements of the gradient
+buffers) x 4 bytes, zeroed before and read after the kernel, and a warp-wide merge wherever a
+thread's running sum moves to another element (every score for a relative-bias table, once a
+step for ALiBi's slopes). Where the copies would pass DETERMINISTIC_GRAD_BYTES, fewer splits
+are used; where even one split per (batch, KV head) would, the call is refused.
 """
 from __future__ import annotations
 
@@ -45,7 +54,7 @@ _BWD_FIELDS = (
     [("q", _ptr), ("k", _ptr), ("v", _ptr), ("dout", _ptr), ("lse", _ptr), ("delta", _ptr),
      ("dq_accum", _ptr), ("dk", _ptr), ("dv", _ptr)]
     + _strides3("q") + _strides3("k") + _strides3("v") + _strides3("do") + _strides3("dk") + _strides3("dv")
-    + [("dq_split_stride", _i64),
+    + [("dq_split_stride", _i64), ("grad_slot_stride", _i64),
        ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
        ("scale", _f32), ("scale_log2", _f32),
        ("q_num_blocks", _ptr), ("q_indices", _ptr), ("full_q_num_blocks", _ptr), ("full_q_indices", _ptr),
@@ -202,6 +211,38 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
     return max(1, min(num_kv_tiles, want))
 
 
+# Deterministic mode: at most this many bytes of per-warp buffer-gradient copies (fewer splits,
+# then an error, past it).
+DETERMINISTIC_GRAD_BYTES = 1 << 30
+
+
+def deterministic_grad_splits(splits: int, copies_per_split: int, floats_per_copy: int,
+                              names: tuple[str, ...]) -> int:
+    """The most splits, up to `splits`, whose copies_per_split x floats_per_copy fp32 buffer-
+    gradient copies per split fit DETERMINISTIC_GRAD_BYTES; a clear error where one does not."""
+    per_split = copies_per_split * floats_per_copy * 4
+    fit = DETERMINISTIC_GRAD_BYTES // max(1, per_split)
+    if fit < 1:
+        raise NotImplementedError(
+            f"flex_attention backward: deterministic gradients of score_mod buffers ({', '.join(names)}) keep one fp32 "
+            f"copy of them ({floats_per_copy} elements) per warp of every CTA, at least {copies_per_split} copies "
+            f"({per_split / 2**30:.2f} GiB), past the limit of {DETERMINISTIC_GRAD_BYTES / 2**30:.2f} GiB "
+            "(flexgen.runtime.backward.DETERMINISTIC_GRAD_BYTES); use kernel_options={'deterministic': False}, "
+            "smaller buffers or fewer (batch, KV head) pairs per call, or raise the limit"
+        )
+    return min(splits, fit)
+
+
+def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """parts (n, m) -> (m,): the rows summed in a fixed pairwise order (in place, into row 0)."""
+    n = parts.shape[0]
+    while n > 1:
+        half = n // 2
+        parts[:half] += parts[n - half:n]  # the middle row of an odd n waits for the next round
+        n -= half
+    return parts[0]
+
+
 # ---------------------------------------------------------------- the call
 
 
@@ -260,12 +301,6 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
     options = dict(kernel_options or {})
     deterministic = bool(options.get("deterministic", False))
-    if deterministic and grad_buffers:
-        raise NotImplementedError(
-            "flex_attention backward: gradients of score_mod buffers "
-            f"({', '.join(grad_buffers)}) are accumulated with atomics and are not deterministic; "
-            "use kernel_options={'deterministic': False} or detach the buffers"
-        )
 
     q, k, v = _kernel_ready(query), _kernel_ready(key), _kernel_ready(value)
     o, do = _kernel_ready(out), _kernel_ready(grad_out.to(query.dtype))
@@ -294,6 +329,13 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
 
     num_kv_tiles = -(-kv_len // spec.block_n)
     splits = _num_splits(num_kv_tiles, batch, kv_heads, device) if deterministic else 1
+    buffers, params = mod_arguments(score, mask, device)
+    grad_floats = sum(buffers[name].numel() for name in grad_buffers)
+    grad_copies = 0  # deterministic mode: per-warp copies of the buffer gradients (see the module docstring)
+    if deterministic and grad_buffers:
+        copies_per_split = batch * kv_heads * spec.num_warps  # the sm80 family's warps: sm90 takes no buffer grads
+        splits = deterministic_grad_splits(splits, copies_per_split, grad_floats, grad_buffers)
+        grad_copies = copies_per_split * splits
 
     delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=device)
     dq_accum = torch.empty(splits, batch, heads, q_len, d, dtype=torch.float32, device=device) if want_dq else None
@@ -316,8 +358,12 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     pre_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, pre)
 
     # 2. the main kernel
-    buffers, params = mod_arguments(score, mask, device)
-    buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
+    grad_parts = None
+    if grad_copies:  # ModArgs points at copy 0; each warp adds its copy's offset
+        grad_parts = torch.zeros(grad_copies, grad_floats, dtype=torch.float32, device=device)
+        buffer_grads = dict(zip(grad_buffers, _buffer_views(grad_parts[0], grad_buffers, buffers)))
+    else:
+        buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
     kernel = get_kernel(spec)
     p = bwd_params_type(type(mod_args), spec.dropout)()
@@ -335,6 +381,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if dv is not None:
         p.dv_stride_b, p.dv_stride_h, p.dv_stride_l = dv.stride(0), dv.stride(1), dv.stride(2)
     p.dq_split_stride = split_stride
+    p.grad_slot_stride = grad_floats if grad_copies else 0
     p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
     p.scale, p.scale_log2 = scale, scale * LOG2E
     if bm is not None:
@@ -345,6 +392,9 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     p.mod = mod_args
     grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
     kernel.launch(grid, (threads_per_cta(spec), 1, 1), main_shared_memory_bytes(spec), stream, p)
+    if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
+        total = _ordered_sum(grad_parts)
+        buffer_grads = {name: g.clone() for name, g in zip(grad_buffers, _buffer_views(total, grad_buffers, buffers))}
 
     # 3. dQ in the input dtype
     dq = None
@@ -361,5 +411,16 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         post_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, post)
     # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
     # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
-    del delta, dq_accum
+    del delta, dq_accum, grad_parts
     return dq, dk, dv, buffer_grads
+
+
+def _buffer_views(flat: torch.Tensor, names: tuple[str, ...], buffers: dict) -> list[torch.Tensor]:
+    """Consecutive pieces of a 1-D fp32 tensor, one per buffer in `names`, in the buffer's shape."""
+    views, offset = [], 0
+    for name in names:
+        shape = buffers[name].shape
+        n = buffers[name].numel()
+        views.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return views
