@@ -90,8 +90,12 @@ def _inputs(seed: int):
 def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool = False):
     """Compile every case into one C++ program; return, per case, (host results, reference).
     Backward cases take grad_out = 1 + i / N at point i; `deterministic`: deterministic mode's
-    gradient slots, and grad_out = 0 at every third point (what such a kernel passes for masked scores)."""
+    gradient slots, and grad_out = 0 at every third point (what such a kernel passes for masked scores);
+    the points are then grouped by (b, h) and the slots flushed between groups, as a kernel step does."""
     pts = _inputs(seed)
+    if deterministic:
+        order = torch.argsort(pts["b"] * 8 + pts["h"], stable=True)
+        pts = {name: t[order] for name, t in pts.items()}
     src = [SHIM]
     lowered = []
     for i, case in enumerate(cases):
@@ -135,6 +139,11 @@ def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool 
         if low.grad_sites:  # one thread's slots across every point, flushed at the end, as a kernel step does
             main.append(f"    c{i}::FlexgenGradSlots grads = {{}};")
         main.append(f"    for (int i = 0; i < {N_POINTS}; ++i) {{")
+        if low.grad_sites and deterministic:
+            main.append("      if (i > 0 && (in_b[i] != in_b[i - 1] || in_h[i] != in_h[i - 1])) {")
+            main.append(f"        for (int k = 0; k < c{i}::FLEXGEN_GRAD_SITES; ++k) flexgen_grad_add(grads.addr[k], grads.sum[k], 0);")
+            main.append(f"        grads = c{i}::FlexgenGradSlots{{}};")
+            main.append("      }")
         if case.kind == "score":
             main.append(f'      std::printf("%08x\\n", __float_as_uint(c{i}::score_mod{call}, args)));')
         elif case.kind == "mask":
@@ -503,7 +512,9 @@ def test_buffer_gradient_sites():
     # and a per-warp shift into the warp's own copy of the gradients
     det = lower_mods(_spec(score, kind="bwd", grad_buffers=("bias",), deterministic=True)).score_mod_bwd_fn
     assert "long long shift;" in det and "flexgen_grad_add(live && !same ? addr[k] : nullptr, sum[k], shift);" in det
-    assert "grads.add(1, &args.bias_grad[(long long)b * args.bias_grad_stride0 + (long long)2 * args.bias_grad_stride1], " \
+    assert "grads.add(0, &args.bias_grad[(long long)h * args.bias_grad_stride0 + " in det
+    # bias[b, 2]'s element is fixed for a kernel step (one b, h): no warp vote
+    assert "grads.add_bh(1, &args.bias_grad[(long long)b * args.bias_grad_stride0 + (long long)2 * args.bias_grad_stride1], " \
            "grad_out, 1.0f);" in det
     assert "long long shift" not in fn and "atomicAdd" not in det
 

@@ -78,7 +78,9 @@ struct FlexgenGradSlots {{
 # (flexgen_grad_add, defined by the kernel, `shift` elements past the ModArgs pointers); the
 # runtime sums the copies in a fixed order. So every lane must call add at the same points: the
 # kernel calls score_mod_bwd for every score, and one whose grad_out is 0 (masked, or dS == 0;
-# the other mode never calls score_mod_bwd for it) adds nothing and moves no slot.
+# the other mode never calls score_mod_bwd for it) adds nothing and moves no slot. A site whose
+# element depends on b and h alone (ALiBi's slopes[h]) takes add_bh, which has no vote: the
+# kernel flushes whenever (b, h) may change (once a step), so its element never moves between.
 _GRAD_SLOTS_DETERMINISTIC = """constexpr int FLEXGEN_GRAD_SITES = {sites};  // gradient sites (grads.add calls) in score_mod_bwd
 struct FlexgenGradSlots {{
     float* addr[FLEXGEN_GRAD_SITES];  // element slot k sums into; null: nothing pending
@@ -93,6 +95,14 @@ struct FlexgenGradSlots {{
         if (live) {{
             const float value = __fmul_rn(grad_out, derivative);
             sum[k] = same ? sum[k] + value : value;
+            addr[k] = element;
+        }}
+    }}
+    // A site whose element is a function of (b, h): the same element until the next flush.
+    __device__ __forceinline__ void add_bh(int k, float* element, float grad_out, float derivative) {{
+        if (grad_out != 0.f) {{
+            const float value = __fmul_rn(grad_out, derivative);
+            sum[k] = addr[k] != nullptr ? sum[k] + value : value;
             addr[k] = element;
         }}
     }}
@@ -466,8 +476,12 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
         member = names[spec.name]
         offset = _Body.index(spec, ld.args, [body[i] for i in ld.args], f"{member}_grad")
         comment.append(f"  d/d{pretty(ld)} = {pretty(p)}  (gradient site {k})")
-        value = f"grad_out, {_unparen(body[p])}" if deterministic else f"__fmul_rn(grad_out, {_unparen(body[p])})"
-        body.lines.append(f"    grads.add({k}, &args.{member}_grad[{offset}], {value});")
+        if deterministic:
+            per_step = all(inputs_of(i) <= {"b", "h"} for i in ld.args)  # the element stays put for a step
+            call, value = ("add_bh" if per_step else "add"), f"grad_out, {_unparen(body[p])}"
+        else:
+            call, value = "add", f"__fmul_rn(grad_out, {_unparen(body[p])})"
+        body.lines.append(f"    grads.{call}({k}, &args.{member}_grad[{offset}], {value});")
     result = f"__fmul_rn(grad_out, {_unparen(body[dscore])})"
     if not partials:
         return _function(SCORE_BWD_SIGNATURE, comment, body, result), 0

@@ -23,9 +23,12 @@ all the gradient buffers, B x H_kv x splits x num_warps copies (slot ((b * H_kv 
 FlexgenGradSlots in codegen/lower.py and flexgen_grad_add in bwd.cu.j2); the copies are then
 summed in a fixed pairwise order (_ordered_sum). Cost: copies x (total elements of the gradient
 buffers) x 4 bytes, zeroed before and read after the kernel, and a warp-wide merge wherever a
-thread's running sum moves to another element (every score for a relative-bias table, once a
-step for ALiBi's slopes). Where the copies would pass DETERMINISTIC_GRAD_BYTES, fewer splits
-are used; where even one split per (batch, KV head) would, the call is refused.
+thread's running sum moves to another element (every score for a relative-bias table; never
+mid-step for an element of (b, h) alone, as ALiBi's slopes[h]). Where the copies would pass
+DETERMINISTIC_GRAD_BYTES, fewer splits are used; where even one split per (batch, KV head)
+would, the call is refused. Measured (H200, fwd+bwd, causal, B=2, H=16, N=8k, D=128): learnable
+ALiBi 18.7 ms against 13.2 non-deterministic (12.2 with fixed slopes, deterministic); a
+(16, 16383) relative-bias table 34.6 ms against 20.3 (4 splits of 256 copies of 1 MiB).
 """
 from __future__ import annotations
 
