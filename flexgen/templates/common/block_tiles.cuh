@@ -19,27 +19,3 @@ struct BlockTiles {
     }
     __device__ bool partial(int t) const { return t / sub >= n_full; }  // (never, without a block mask)
 };
-
-// `n_part` / `part_idx`: this row's count and list of partial blocks; `n_full` / `full_idx` those of
-// full blocks (null when the mask has none). Read only when `masked`.
-template <int TILE>
-__device__ __forceinline__ BlockTiles<TILE> block_tiles(bool masked, int mask_block, int len, const int* n_part,
-                                                        const int* part_idx, const int* n_full, const int* full_idx) {
-    BlockTiles<TILE> tiles;
-    tiles.dense = !masked;
-    if (masked) {
-        tiles.sub = mask_block / TILE;
-        tiles.n_part = *n_part;
-        tiles.part_idx = part_idx;
-        tiles.n_full = n_full != nullptr ? *n_full : 0;
-        tiles.full_idx = full_idx;
-    } else {
-        tiles.sub = 1;
-        tiles.n_full = (len + TILE - 1) / TILE;
-        tiles.n_part = 0;
-        tiles.full_idx = nullptr;
-        tiles.part_idx = nullptr;
-    }
-    tiles.count = (tiles.n_full + tiles.n_part) * tiles.sub;
-    return tiles;
-}

@@ -8,13 +8,28 @@
 using QTileList = BlockTiles<BLOCK_M>;
 
 __device__ QTileList query_tiles(const BwdParams& p, int b, int h, int kv_block) {
-    const bool masked = p.has_block_mask, has_full = p.full_q_num_blocks != nullptr;
-    return block_tiles<BLOCK_M>(
-        masked, p.mask_q_block, p.q_len,
-        p.q_num_blocks + b * p.qn_stride_b + h * p.qn_stride_h + kv_block * p.qn_stride_kv,
-        p.q_indices + b * p.qi_stride_b + h * p.qi_stride_h + kv_block * p.qi_stride_kv,
-        has_full ? p.full_q_num_blocks + b * p.fqn_stride_b + h * p.fqn_stride_h + kv_block * p.fqn_stride_kv : nullptr,
-        has_full ? p.full_q_indices + b * p.fqi_stride_b + h * p.fqi_stride_h + kv_block * p.fqi_stride_kv : nullptr);
+    QTileList l;
+    l.dense = !p.has_block_mask;
+    if (p.has_block_mask) {
+        l.sub = p.mask_q_block / BLOCK_M;
+        l.n_part = p.q_num_blocks[b * p.qn_stride_b + h * p.qn_stride_h + kv_block * p.qn_stride_kv];
+        l.part_idx = p.q_indices + b * p.qi_stride_b + h * p.qi_stride_h + kv_block * p.qi_stride_kv;
+        if (p.full_q_num_blocks != nullptr) {
+            l.n_full = p.full_q_num_blocks[b * p.fqn_stride_b + h * p.fqn_stride_h + kv_block * p.fqn_stride_kv];
+            l.full_idx = p.full_q_indices + b * p.fqi_stride_b + h * p.fqi_stride_h + kv_block * p.fqi_stride_kv;
+        } else {
+            l.n_full = 0;
+            l.full_idx = nullptr;
+        }
+    } else {
+        l.sub = 1;
+        l.n_full = (p.q_len + BLOCK_M - 1) / BLOCK_M;
+        l.n_part = 0;
+        l.full_idx = nullptr;
+        l.part_idx = nullptr;
+    }
+    l.count = (l.n_full + l.n_part) * l.sub;
+    return l;
 }
 
 // One unit of work: query tile [m0, m0 + BLOCK_M) of query head h.

@@ -6,8 +6,8 @@
 using TileList = BlockTiles<BLOCK_N>;
 
 // The KV tiles of the query tile starting at row m0 of (b, h), from FwdParams' block-mask lists.
-// (Filled field by field rather than through block_tiles(): the sm80 forward sits at the register
-// limit, and that form of the same code spilled 4-8 bytes there.)
+// (Filled field by field, as query_tiles in common/q_schedule.cuh: the sm80 kernels sit at the register
+// limit, and a shared builder function spilled 4-8 bytes there.)
 __device__ __forceinline__ TileList kv_tiles(const FwdParams& p, int m0, int b, int h) {
     TileList tiles;
     tiles.dense = !p.has_block_mask;
