@@ -6,9 +6,14 @@
                     into the accumulator, and (through score_mod_bwd) buffer gradients.
 3. bwd_postprocess  dQ = scale * accumulator, in the input dtype.
 
-`BwdParams`, `BwdPreParams` and `BwdPostParams` below mirror the structs of the same names in
-templates/sm80/bwd*.cu.j2 field for field (ModArgs last); tests compare their sizes with the
-kernels' parameter sizes in the PTX.
+Two families of the main kernel: sm80 (templates/sm80/bwd.cu.j2, every GPU from sm_80) and, on
+Hopper where it applies (arch.resolve_backward_family), sm90 (templates/sm90/bwd.cu.j2: wgmma, a
+producer warpgroup, 384 threads). Both take the same BwdParams and grid; the pre- and postprocess
+kernels are sm80's for both.
+
+`BwdParams` (templates/common/bwd_params.j2), `BwdPreParams` and `BwdPostParams`
+(templates/sm80/bwd_{pre,post}process.cu.j2) are mirrored below field for field (ModArgs last);
+tests compare their sizes with the kernels' parameter sizes in the PTX.
 
 Deterministic mode (kernel_options={"deterministic": True}): the main kernel runs `splits`
 CTAs per (batch, KV head); CTA x takes KV tiles x, x + splits, ... in order and owns dQ
