@@ -119,9 +119,9 @@ def family(arch: str) -> str:
     return "sm80"
 
 
-# What the sm90 forward template covers (templates/sm90/fwd.cu.j2): tile 128 x {64, 128}, two
-# consumer warpgroups, two K/V stages, head dims 64 and 128, no dropout.
-SM90_FORWARD_HEAD_DIMS = (64, 128)
+# Head dims the sm90 templates cover (forward: templates/sm90/fwd.cu.j2, tile 128 x {64, 128}, two
+# consumer warpgroups, two K/V stages, no dropout; backward: below).
+SM90_HEAD_DIMS = (64, 128)
 
 
 def forward_family(arch: str, head_dim: int, dropout: bool = False, tile_overrides: bool = False) -> str:
@@ -129,16 +129,15 @@ def forward_family(arch: str, head_dim: int, dropout: bool = False, tile_overrid
     mbarriers) on Hopper where that template covers the call, else the base family. Tile
     overrides (BLOCK_M, BLOCK_N, num_warps, num_stages) are sm80 tile choices, so they keep sm80."""
     sm = int(re.sub(r"\D", "", arch)[:2])
-    if sm == 90 and head_dim in SM90_FORWARD_HEAD_DIMS and not dropout and not tile_overrides:
+    if sm == 90 and head_dim in SM90_HEAD_DIMS and not dropout and not tile_overrides:
         return "sm90"
     return family(arch)
 
 
 # What the sm90 backward template covers (templates/sm90/bwd.cu.j2): KV tile 128 (two consumer
-# warpgroups x 64 keys), 64 query rows per step, head dims 64 and 128; no dropout, no buffer
+# warpgroups x 64 keys), 64 query rows per step, head dims SM90_HEAD_DIMS; no dropout, no buffer
 # gradients, no backward tile options, block masks whose blocks are whole tiles.
-SM90_BACKWARD_HEAD_DIMS = (64, 128)
-SM90_BACKWARD_TILE = (64, 128)  # (query rows per step, key rows per CTA)
+SM90_BACKWARD_TILE = (64, 128)  # (query rows per step, key rows per CTA); codegen/configs.py's row
 
 
 def sm90_backward_refusal(arch: str, head_dim: int, dropout: bool, buffer_grads: bool, tile_overrides: bool,
@@ -147,8 +146,8 @@ def sm90_backward_refusal(arch: str, head_dim: int, dropout: bool, buffer_grads:
     sm = int(re.sub(r"\D", "", arch)[:2])
     if sm != 90:
         return f"it needs an sm_90 GPU (wgmma), not {arch}"
-    if head_dim not in SM90_BACKWARD_HEAD_DIMS:
-        return f"head dim {head_dim} is not one of {SM90_BACKWARD_HEAD_DIMS}"
+    if head_dim not in SM90_HEAD_DIMS:
+        return f"head dim {head_dim} is not one of {SM90_HEAD_DIMS}"
     if dropout:
         return "it has no dropout"
     if buffer_grads:
@@ -164,9 +163,7 @@ def resolve_backward_family(requested: str | None, arch: str, head_dim: int, dro
                             tile_overrides: bool, mask_block: tuple[int, int] | None) -> str | None:
     """The backward's spec option "family": "sm90" where the Hopper backward covers the call (or
     where the user asked for it: an error says why it cannot), None for the base family."""
-    if requested is not None and requested not in FAMILY_CHOICES:
-        raise ValueError(f"kernel option family={requested!r}; allowed: {list(FAMILY_CHOICES)}")
-    if requested == "sm80":
+    if _checked_request(requested) == "sm80":
         return None
     why = sm90_backward_refusal(arch, head_dim, dropout, buffer_grads, tile_overrides, mask_block)
     if requested == "sm90" and why is not None:
@@ -178,14 +175,19 @@ def resolve_backward_family(requested: str | None, arch: str, head_dim: int, dro
 FAMILY_CHOICES = ("sm80", "sm90")
 
 
+def _checked_request(requested: str | None) -> str | None:
+    """The kernel option "family" as given, once it is one of FAMILY_CHOICES (or None)."""
+    if requested is not None and requested not in FAMILY_CHOICES:
+        raise ValueError(f"kernel option family={requested!r}; allowed: {list(FAMILY_CHOICES)}")
+    return requested
+
+
 def resolve_forward_family(kind: str, requested: str | None, arch: str, head_dim: int, dropout: bool,
                            tile_overrides: bool) -> str | None:
     """The spec option "family" of a kernel: None for the base (sm80) family, "sm90" for the Hopper
     forward. requested "sm80" keeps the base family; "sm90" asks for the Hopper one (render.py refuses
     it where it does not apply); None picks forward_family's default for forward kernels."""
-    if requested is not None and requested not in FAMILY_CHOICES:
-        raise ValueError(f"kernel option family={requested!r}; allowed: {list(FAMILY_CHOICES)}")
-    if requested == "sm80":
+    if _checked_request(requested) == "sm80":
         return None
     if requested == "sm90" or kind != "fwd":
         return requested

@@ -6,7 +6,7 @@ family None matches every family.
 """
 from __future__ import annotations
 
-from ..arch import family
+from ..arch import SM90_BACKWARD_TILE, family
 
 CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -16,7 +16,7 @@ TABLE: list[tuple[str, int, str | None, tuple[int, int, int, int]]] = [
     # warpgroups x 64 query rows (+ a producer warpgroup), double-buffered K/V.
     ("fwd", 128, "sm90", (128, 128, 8, 2)),
     # The sm90 backward: KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step.
-    ("bwd", 128, "sm90", (64, 128, 8, 2)),
+    ("bwd", 128, "sm90", (*SM90_BACKWARD_TILE, 8, 2)),
     ("fwd", 64, None, (128, 64, 4, 2)),
     ("fwd", 96, None, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
     ("fwd", 128, None, (128, 64, 4, 1)),  # one K/V stage: 348 vs 330 TFLOP/s on full attention (H200, NOTES.md)

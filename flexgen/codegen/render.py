@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jinja2
 
-from ..arch import SM90_FORWARD_HEAD_DIMS
+from ..arch import SM90_HEAD_DIMS
 from ..cache import paths
 from .lower import LoweredMods, lower_mods
 
@@ -93,9 +93,9 @@ def template_name(spec) -> str:
             raise ValueError(f"kernel option family='sm90' needs arch sm_90a (wgmma), not {spec.arch}")
         if spec.dropout:
             raise ValueError("kernel option family='sm90': the Hopper kernels have no dropout yet; use family='sm80'")
-        if spec.head_dim not in SM90_FORWARD_HEAD_DIMS:
+        if spec.head_dim not in SM90_HEAD_DIMS:
             raise ValueError(f"kernel option family='sm90': head dim {spec.head_dim} not supported "
-                             f"{SM90_FORWARD_HEAD_DIMS}; use family='sm80'")
+                             f"{SM90_HEAD_DIMS}; use family='sm80'")
         tile = (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages)
         if spec.kind == "bwd":
             if spec.grad_buffers:

@@ -42,11 +42,11 @@ import functools
 
 import torch
 
-from ..arch import SM90_BACKWARD_TILE, resolve_backward_family
+from ..arch import resolve_backward_family
 from ..attention import mod_arguments
 from ..codegen.configs import choose_config
 from ..codegen.spec import HEAD_DIMS, KernelSpec
-from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, set_dropout
+from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, set_dropout, threads_per_cta
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_longlong
@@ -140,7 +140,10 @@ MAX_DKV_FLOATS_PER_WARP = 128 * 32  # 128 registers x 32 lanes
 
 
 def shared_memory_bytes(spec: KernelSpec) -> int:
-    """Dynamic shared memory of the main backward kernel (layout in bwd.cu.j2: kv_tile_backward)."""
+    """Dynamic shared memory of the main backward kernel (layout in sm80/bwd.cu.j2: kv_tile_backward,
+    or sm90_shared_memory_bytes for the sm90 family)."""
+    if spec.option("family") == "sm90":
+        return sm90_shared_memory_bytes(spec)
     d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
     stages = 2 if spec.num_stages >= 2 else 1
     halves = 2 * bn * (d + 8) + 2 * stages * bm * (d + 8) + 2 * bn * (bm + 8)  # K, V; Q, dO per stage; P^T, dX^T
@@ -152,15 +155,6 @@ def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
     slack, K, V, two stages of Q and dO, two dX buffers, two stages of lse and delta, the barriers."""
     d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
     return 1024 + 2 * (2 * bn * d) + 2 * 2 * (2 * bm * d) + 2 * (2 * bm * bn) + 2 * 2 * bm * 4 + 128
-
-
-def main_shared_memory_bytes(spec: KernelSpec) -> int:
-    return sm90_shared_memory_bytes(spec) if spec.option("family") == "sm90" else shared_memory_bytes(spec)
-
-
-def threads_per_cta(spec: KernelSpec) -> int:
-    """The sm90 backward adds a producer warpgroup to its consumer warps."""
-    return spec.num_warps * 32 + (128 if spec.option("family") == "sm90" else 0)
 
 
 def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
@@ -327,7 +321,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
                                      bool(tile_overrides), mask_block)
     extra = tuple(kv for kv in base.extra if kv[0] != "family") + ((("family", family),) if family else ())
     if family == "sm90":
-        tiles = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), (*SM90_BACKWARD_TILE, 8, 2)))
+        tiles = choose_config("bwd", d, base.dtype, base.arch, family_override="sm90")
     else:
         tiles = bwd_tiles(d, base.arch, mask_block, base.dropout, bool(grad_buffers), **tile_overrides)
     spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, extra=tuple(sorted(extra)), **tiles)
@@ -399,7 +393,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
-    kernel.launch(grid, (threads_per_cta(spec), 1, 1), main_shared_memory_bytes(spec), stream, p)
+    kernel.launch(grid, (threads_per_cta(spec), 1, 1), shared_memory_bytes(spec), stream, p)
     if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
         total = _ordered_sum(grad_parts)
         buffer_grads = {name: g.clone() for name, g in zip(grad_buffers, _buffer_views(total, grad_buffers, buffers))}

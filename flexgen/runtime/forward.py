@@ -79,7 +79,7 @@ def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
 
 
 def threads_per_cta(spec: KernelSpec) -> int:
-    """The sm90 forward runs a producer warpgroup beside its num_warps consumer warps."""
+    """The sm90 kernels (forward and backward) run a producer warpgroup beside their num_warps consumer warps."""
     return 32 * spec.num_warps + (128 if spec.option("family") == "sm90" else 0)
 
 
