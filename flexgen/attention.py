@@ -23,7 +23,7 @@ _KERNEL_OPTION_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps":
 # num_warps1 (flexgen's): the backward's warps per CTA, at most (fewer if the tile's warp layout needs).
 _BWD_OPTION_NAMES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
 # deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod.
-# pingpong: the sm90 forward's warpgroup turns (default on); persistent: its grid of one CTA per SM
+# pingpong: the sm90 forward's warpgroup turns (default on); persistent: the sm90 grids of one CTA per SM
 # (default on).
 _FLAG_OPTIONS = ("deterministic", "precise_math", "pingpong", "persistent")
 

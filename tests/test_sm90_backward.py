@@ -165,3 +165,24 @@ def test_sm80_backward_on_request(name):
     from test_gpu_backward import Shape, check_variant
 
     check_variant(name, Shape(2, 3, 1000, 1000), 128, torch.bfloat16, kernel_options={"family": "sm80"})
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
+def test_sm90_backward_persistent_many_tiles_per_cta(name):
+    """The persistent grid: 4 x 8 KV heads x 17 KV tiles (544 work tiles) over an H200's 132 CTAs, each walking
+    about four, with K, V, the stages and the dS buffers carried from one to the next."""
+    from test_gpu_backward import Shape, check_variant
+
+    check_variant(name, Shape(4, 8, 2100, 2100), 128, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+def test_sm90_backward_persistent_option():
+    """kernel_options persistent=False: one CTA per KV tile (grid (KV tiles, KV heads, batch))."""
+    from test_gpu_backward import Shape, check_variant
+
+    check_variant("causal", Shape(2, 4, 1500, 1500), 64, torch.bfloat16, kernel_options={**SM90, "persistent": False})
+

@@ -46,7 +46,7 @@ from ..arch import resolve_backward_family
 from ..attention import mod_arguments
 from ..codegen.configs import choose_config
 from ..codegen.spec import HEAD_DIMS, KernelSpec
-from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, set_dropout, threads_per_cta
+from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, _sm_count, set_dropout, threads_per_cta
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_longlong
@@ -70,7 +70,8 @@ _BWD_FIELDS = (
        ("qi_stride_b", _i64), ("qi_stride_h", _i64), ("qi_stride_kv", _i64),
        ("fqn_stride_b", _i64), ("fqn_stride_h", _i64), ("fqn_stride_kv", _i64),
        ("fqi_stride_b", _i64), ("fqi_stride_h", _i64), ("fqi_stride_kv", _i64),
-       ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32), ("num_kv_tiles", _i32)]
+       ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32), ("num_kv_tiles", _i32),
+       ("persistent", _i32), ("batch", _i32), ("kv_heads", _i32)]
 )
 
 _PRE_FIELDS = (
@@ -392,7 +393,12 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if spec.dropout:
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
+    p.batch, p.kv_heads = batch, kv_heads
     grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
+    if family == "sm90" and not deterministic and spec.option("persistent", True):
+        # One CTA per SM walks the work tiles: the next tile's K and V copy behind this one's epilogue.
+        p.persistent = 1
+        grid = (min(num_kv_tiles * kv_heads * batch, _sm_count(device)), 1, 1)
     kernel.launch(grid, (threads_per_cta(spec), 1, 1), shared_memory_bytes(spec), stream, p)
     if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
         total = _ordered_sum(grad_parts)
