@@ -209,3 +209,61 @@ def test_sm90_persistent_option(name, persistent):
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(4, 8, 2049, 2049), 64, torch.bfloat16, kernel_options={**SM90, "persistent": persistent})
+
+
+@gpu
+@hopper
+def test_sm90_tile_counter_is_left_zero():
+    """CTAs draw work tiles from a per-stream counter; the last draw resets it, so the next launch (here
+    with a different tile count) sees every tile. Unbalanced document tiles make CTAs draw unequally."""
+    from flexgen.runtime.schedule import tile_counter
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant("document", Shape(4, 8, 2049, 2049), 128, torch.bfloat16, kernel_options=SM90)
+    torch.cuda.synchronize()
+    assert int(tile_counter(torch.device("cuda")).item()) == 0
+    check_variant("causal", Shape(3, 5, 1500, 1500), 64, torch.bfloat16, kernel_options=SM90)
+    torch.cuda.synchronize()
+    assert int(tile_counter(torch.device("cuda")).item()) == 0
+
+
+@gpu
+@hopper
+def test_sm90_concurrent_streams():
+    """Launches in flight on two streams at once draw from counters of their own: every output is whole."""
+    import flexgen
+
+    dev = torch.device("cuda")
+    mask = flexgen.create_block_mask(V.causal, None, None, 2049, 2049, device=dev)
+    inputs = [[torch.randn(4, 8, 2049, 128, device=dev, dtype=torch.bfloat16) for _ in range(3)] for _ in range(4)]
+    want = [flexgen.flex_attention(*t, block_mask=mask, kernel_options=SM90) for t in inputs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    got = []
+    for i, t in enumerate(inputs):
+        with torch.cuda.stream(streams[i % 2]):
+            got.append(flexgen.flex_attention(*t, block_mask=mask, kernel_options=SM90))
+    torch.cuda.synchronize()
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+@gpu
+@hopper
+def test_sm90_cuda_graph_replay():
+    """Captured in a CUDA graph (the counter's zeroing is captured with it), replays give eager's output."""
+    import flexgen
+
+    dev = torch.device("cuda")
+    mask = flexgen.create_block_mask(V.causal, None, None, 2049, 2049, device=dev)
+    q, k, v = (torch.randn(2, 8, 2049, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    flexgen.flex_attention(q, k, v, block_mask=mask, kernel_options=SM90)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flexgen.flex_attention(q, k, v, block_mask=mask, kernel_options=SM90)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, flexgen.flex_attention(q, k, v, block_mask=mask, kernel_options=SM90))

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from ..codegen.spec import KernelSpec
+from .schedule import head_chunk, l2_bytes, query_tile_order, tile_counter
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_longlong
@@ -31,7 +32,7 @@ _FWD_FIELDS = [
     ("fkvn_stride_b", _i64), ("fkvn_stride_h", _i64), ("fkvn_stride_q", _i64),
     ("fkvi_stride_b", _i64), ("fkvi_stride_h", _i64), ("fkvi_stride_q", _i64),
     ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32),
-    ("batch", _i32),
+    ("batch", _i32), ("head_chunk", _i32), ("m_order", _ptr), ("tile_counter", _ptr),
 ]
 # Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
 DROPOUT_FIELDS = [
@@ -129,13 +130,16 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     p.batch = batch
     q_tiles = -(-q_len // spec.block_m)
     if spec.option("family") == "sm90":
-        # The sm90 kernel walks work tiles w = blockIdx.x, blockIdx.x + gridDim.x, ... It runs persistent
-        # (one CTA per SM: the next tile's copies hide behind this one's epilogue; H200, N=8k: sliding
-        # window +4-5%, documents +4-5%, the rest within 1%, NOTES.md); kernel_options={"persistent":
-        # False} launches one CTA per work tile instead.
+        # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh:
+        # the grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
+        # kernel_options={"persistent": False} launches one CTA per work tile.
         work = q_tiles * heads * batch
-        persistent = spec.option("persistent", True)
-        grid = (min(work, _sm_count(q.device)) if persistent else work, 1, 1)
+        if block_mask is not None:
+            p.m_order = query_tile_order(block_mask, spec.block_m).data_ptr()
+        p.head_chunk = head_chunk(batch * heads, kv_len, q.shape[-1], q.element_size(), heads // kv_heads,
+                                  l2_bytes(q.device))
+        p.tile_counter = tile_counter(q.device).data_ptr()
+        grid = (min(work, _sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
     else:
         grid = (q_tiles, heads, batch)
     block = (threads_per_cta(spec), 1, 1)
