@@ -37,6 +37,10 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 // so a CTA gets the same count for every thread at launch; a producer warpgroup that only copies
 // gives most of its share back (dec) and the consumer warpgroups take it (inc). Executed by all
 // threads of a warpgroup; the counts are multiples of 8 in [24, 256].
+// What each thread holds at launch under __launch_bounds__(threads, 1): the register file split evenly, in
+// multiples of 8. setmaxnreg only moves registers within the CTA's launch allocation: an inc beyond what
+// the decs released never completes (the kernel hangs, as a 32 / 240 split of 384 threads did).
+constexpr int launch_registers(int threads) { return (65536 / threads) & ~7; }
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 template <int REGS>
