@@ -66,8 +66,9 @@ def test_compiled_equals_eager_and_reference(how, isolated_kernel_cache):
     torch.testing.assert_close(out_c, out_e, atol=0, rtol=0)
     for name, gc, ge in zip(("dq", "dk", "dv", "dslopes"), grads_c, grads_e):
         # dq and the slope gradient are fp32 sums (atomics) over thousands of terms: equal up to the
-        # order of additions (measured 3e-5 relative on the H200), so 1e-4 of the largest value
-        tol = {"atol": 1e-4 * ge.abs().max().item(), "rtol": 1e-4} if name in ("dq", "dslopes") else {"atol": 0, "rtol": 0}
+        # order of additions (measured 3e-5 relative on the H200), so 1e-4 of the largest value; dq is
+        # then rounded to bf16, where that difference can flip the last bit (2^-7 relative at most).
+        tol = {"atol": 1e-4 * ge.abs().max().item(), "rtol": 2**-7 if name == "dq" else 1e-4} if name in ("dq", "dslopes") else {"atol": 0, "rtol": 0}
         torch.testing.assert_close(gc, ge, **tol, msg=lambda m, n=name: f"{n}: {m}")
     score = flexgen.variants.alibi(module.slopes.detach())
     scale = D ** -0.5

@@ -71,12 +71,13 @@ def shared_memory_bytes(spec: KernelSpec) -> int:
 def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
     """Mirror of templates/sm90/fwd.cu.j2's SMEM_BYTES: 1024 bytes to align the base to a 128-byte
     swizzle atom, Q (block_m x D), two stages of K and V (block_n x D each), one mask bit per
-    element of S per consumer thread, 256 bytes of pipeline (barriers, drawn work tiles)."""
+    element of S per consumer thread, 256 bytes of pipeline (barriers, drawn work tiles), O's staging tile."""
     stages = 2 if spec.num_stages >= 2 else 1
     tiles = (spec.block_m + 2 * stages * spec.block_n) * spec.head_dim * 2
     threads = 32 * spec.num_warps  # consumer threads: only they keep mask bits
     words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)
-    return 1024 + tiles + 4 * threads * words_per_thread + 256  # + the pipeline: barriers, drawn tiles
+    o_stage = spec.block_m * (spec.head_dim * 2 + 16)  # O's staging tile, rows padded by 16 bytes
+    return 1024 + tiles + 4 * threads * words_per_thread + 256 + o_stage  # + the pipeline: barriers, drawn tiles
 
 
 def threads_per_cta(spec: KernelSpec) -> int:
