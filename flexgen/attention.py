@@ -6,6 +6,7 @@ its run-time parameters.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any
@@ -130,10 +131,25 @@ def _check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
 
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False) -> KernelSpec:
+    """The kernel for a call. Memoized on what it reads (kind, the query's dtype, head dim and device, the
+    expressions, the options): every step of a model calls it, and the same spec object then hashes once in
+    the kernel cache."""
+    options = tuple(sorted((kernel_options or {}).items()))
+    try:
+        hash(options)
+    except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
+        return _make_spec(kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
+                          mask.expr if mask is not None else None, options, dropout)
+    return _make_spec_cached(kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
+                             mask.expr if mask is not None else None, options, dropout)
+
+
+def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
+               kernel_options: tuple, dropout: bool) -> KernelSpec:
     from .arch import current_arch, resolve_forward_family
     from .codegen.configs import choose_config
 
-    options = dict(kernel_options or {})
+    options = dict(kernel_options)
     overrides = {}
     for user_name, field in _KERNEL_OPTION_NAMES.items():
         if user_name in options:
@@ -143,8 +159,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
         options.pop(name, None)
     extra = tuple(sorted((k, bool(options.pop(k))) for k in list(options) if k in _FLAG_OPTIONS and k != "deterministic"))
     deterministic = bool(options.pop("deterministic", False))
-    head_dim = query.shape[-1]
-    arch = current_arch(query.device)
+    arch = current_arch(device)
     family_override = resolve_forward_family(kind, options.pop("family", None), arch, head_dim=head_dim,
                                              dropout=dropout, tile_overrides=bool(overrides))
     if family_override is not None:
@@ -154,18 +169,21 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
             f"flex_attention: unknown kernel_options {sorted(options)}; known: "
             f"{sorted(_KERNEL_OPTION_NAMES) + sorted(_BWD_OPTION_NAMES) + sorted(_FLAG_OPTIONS) + ['family']}"
         )
-    dtype = _DTYPES[query.dtype]
-    cfg = choose_config(kind, head_dim, dtype, arch, score_loads_per_element=score is not None and has_positional_loads(score.expr),
+    dtype = _DTYPES[query_dtype]
+    cfg = choose_config(kind, head_dim, dtype, arch, score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                         dropout=dropout, family_override=family_override, **overrides)
     return KernelSpec(
         kind=kind, head_dim=head_dim, dtype=dtype, arch=arch,
         block_m=cfg["block_m"], block_n=cfg["block_n"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        score_expr=score.expr if score is not None else None,
-        mask_expr=mask.expr if mask is not None else None,
+        score_expr=score_expr,
+        mask_expr=mask_expr,
         deterministic=deterministic and kind.startswith("bwd"),
         dropout=dropout,
         extra=extra,
     )
+
+
+_make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)
 
 
 def bwd_tile_overrides(kernel_options: dict | None) -> dict:
