@@ -1,4 +1,4 @@
-"""The forward's work order (templates/common/work_order.cuh): which query tiles are heaviest, how many
+"""The sm90 forward's work order (templates/sm90/work_order.cuh): which query tiles are heaviest, how many
 (batch, head) pairs interleave, and the counter from which the sm90 kernel draws its tiles."""
 from __future__ import annotations
 
