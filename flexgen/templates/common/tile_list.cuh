@@ -5,46 +5,9 @@
 
 using TileList = BlockTiles<BLOCK_N>;
 
-// How many full and partial mask blocks the query tile starting at row m0 of (b, h) visits (global loads).
-__device__ __forceinline__ void kv_block_counts(const FwdParams& p, int m0, int b, int h, int& n_full, int& n_part) {
-    if (p.has_block_mask) {
-        const int qb = m0 / p.mask_q_block;
-        n_part = p.kv_num_blocks[b * p.kvn_stride_b + h * p.kvn_stride_h + qb * p.kvn_stride_q];
-        n_full = p.full_kv_num_blocks == nullptr
-                     ? 0 : p.full_kv_num_blocks[b * p.fkvn_stride_b + h * p.fkvn_stride_h + qb * p.fkvn_stride_q];
-    } else {
-        n_full = (p.kv_len + BLOCK_N - 1) / BLOCK_N;
-        n_part = 0;
-    }
-}
-
-// The KV tiles of the query tile starting at row m0 of (b, h), given its counts (the sm90 forward's
-// producer loads them ahead of the consumers): the rest is arithmetic on FwdParams, which the compiler
-// may redo rather than keep in registers. (Filled field by field, as query_tiles in common/q_schedule.cuh:
-// the sm80 kernels sit at the register limit, and a shared builder function spilled 4-8 bytes there.)
-__device__ __forceinline__ TileList kv_tiles(const FwdParams& p, int m0, int b, int h, int n_full, int n_part) {
-    TileList tiles;
-    tiles.dense = !p.has_block_mask;
-    tiles.n_full = n_full;
-    tiles.n_part = n_part;
-    if (p.has_block_mask) {
-        const int qb = m0 / p.mask_q_block;
-        tiles.sub = p.mask_kv_block / BLOCK_N;
-        tiles.part_idx = p.kv_indices + b * p.kvi_stride_b + h * p.kvi_stride_h + qb * p.kvi_stride_q;
-        tiles.full_idx = p.full_kv_num_blocks == nullptr
-                             ? nullptr : p.full_kv_indices + b * p.fkvi_stride_b + h * p.fkvi_stride_h + qb * p.fkvi_stride_q;
-    } else {
-        tiles.sub = 1;
-        tiles.full_idx = nullptr;
-        tiles.part_idx = nullptr;
-    }
-    tiles.count = (tiles.n_full + tiles.n_part) * tiles.sub;
-    return tiles;
-}
-
-// The KV tiles of the query tile starting at row m0 of (b, h), from FwdParams' block-mask lists, in one
-// piece (kv_block_counts + kv_tiles above would do; this order of loads keeps the sm80 dense kernel,
-// at 255 registers, free of a 24-byte spill).
+// The KV tiles of the query tile starting at row m0 of (b, h), from FwdParams' block-mask lists.
+// (Filled field by field, as query_tiles in common/q_schedule.cuh: the sm80 kernels sit at the register
+// limit; a shared builder function, or the counts loaded apart from the pointers, spilled 4-24 bytes there.)
 __device__ __forceinline__ TileList kv_tiles(const FwdParams& p, int m0, int b, int h) {
     TileList tiles;
     tiles.dense = !p.has_block_mask;
@@ -68,5 +31,14 @@ __device__ __forceinline__ TileList kv_tiles(const FwdParams& p, int m0, int b, 
         tiles.part_idx = nullptr;
     }
     tiles.count = (tiles.n_full + tiles.n_part) * tiles.sub;
+    return tiles;
+}
+
+// The same list with its counts loaded elsewhere (the sm90 forward's producer loads them ahead of the
+// consumers): the list's own loads of them are then dead, and the compiler drops them.
+__device__ __forceinline__ TileList with_counts(TileList tiles, int n_full, int n_part) {
+    tiles.n_full = n_full;
+    tiles.n_part = n_part;
+    tiles.count = (n_full + n_part) * tiles.sub;
     return tiles;
 }
