@@ -135,13 +135,13 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     expressions, the options): every step of a model calls it, and the same spec object then hashes once in
     the kernel cache."""
     options = tuple(sorted((kernel_options or {}).items()))
+    args = (kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
+            mask.expr if mask is not None else None, options, dropout)
     try:
         hash(options)
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
-        return _make_spec(kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
-                          mask.expr if mask is not None else None, options, dropout)
-    return _make_spec_cached(kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
-                             mask.expr if mask is not None else None, options, dropout)
+        return _make_spec(*args)
+    return _make_spec_cached(*args)
 
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,

@@ -130,6 +130,7 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     p.mod = mod_args
     p.batch = batch
     q_tiles = -(-q_len // spec.block_m)
+    stream = torch.cuda.current_stream(q.device)
     if spec.option("family") == "sm90":
         # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh:
         # the grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
@@ -139,10 +140,9 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
             p.m_order = query_tile_order(block_mask, spec.block_m).data_ptr()
         p.head_chunk = head_chunk(batch * heads, kv_len, q.shape[-1], q.element_size(), heads // kv_heads,
                                   l2_bytes(q.device))
-        p.tile_counter = tile_counter(q.device).data_ptr()
+        p.tile_counter = tile_counter(stream).data_ptr()
         grid = (min(work, _sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
     else:
         grid = (q_tiles, heads, batch)
     block = (threads_per_cta(spec), 1, 1)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    kernel.launch(grid, block, shared_memory_bytes(spec), stream, p)
+    kernel.launch(grid, block, shared_memory_bytes(spec), stream.cuda_stream, p)
