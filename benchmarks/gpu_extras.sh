@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Second GPU job of a session: the 64k-token single-sequence run, the example's loss curves
 # (flexgen / FlexAttention / SDPA), and profiler counters for the main kernels.
-#   bash benchmarks/gpu_extras.sh          (writes under $OUT, default .out/)
+#   bash benchmarks/gpu_extras.sh          (writes under $OUT, default benchmarks/results/<UTC time>/, ignored by git)
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
-export OUT="${OUT:-$(pwd)/.out}" PYTHONUNBUFFERED=1
+export OUT="${OUT:-$(pwd)/benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; fi
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"

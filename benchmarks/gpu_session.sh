@@ -9,11 +9,12 @@
 #
 # Runs from the repository root (flexgen is imported from there, not installed). Writes
 # $OUT/gpu_tests.log, $OUT/bench.log and the benchmark's bench_results.{json,md} and
-# bench_plot.png ($OUT defaults to .out/). Exits nonzero if the tests failed; the
-# benchmark runs either way. The whole command is kept inside SESSION_BUDGET seconds
-# (default 560, under the device's 600 s limit): the tests get at most TEST_TIMEOUT
-# seconds (default 240), the benchmark the rest (it stops starting new cases in time
-# to print its table).
+# bench_plot.png. $OUT defaults to benchmarks/results/<UTC time>/, which git ignores: raw
+# logs stay out of the tree (the current figures are copied into benchmarks/results.md).
+# Exits nonzero if the tests failed; the benchmark runs either way. The whole command is
+# kept inside SESSION_BUDGET seconds (default 560, under the device's 600 s limit): the
+# tests get at most TEST_TIMEOUT seconds (default 240), the benchmark the rest (it stops
+# starting new cases in time to print its table).
 #
 # Environment knobs: SESSION_BUDGET, TEST_TIMEOUT, PER_TEST_TIMEOUT (default 120),
 # SKIP_TESTS=1, SKIP_BENCH=1, PYTEST_ARGS (extra pytest arguments), FLEXGEN_CACHE_DIR.
@@ -22,7 +23,7 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s)
 cd "$(dirname "$0")/.." || exit 2
 REPO=$(pwd)
-export OUT="${OUT:-$REPO/.out}"
+export OUT="${OUT:-$REPO/benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 SESSION_BUDGET=${SESSION_BUDGET:-560}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
