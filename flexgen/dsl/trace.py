@@ -312,6 +312,8 @@ def _nodes(tracer: Tracer, *values: Value) -> list[Node]:
         like = node.dtype if like is None else ir.promote(like, node.dtype)
     if like is None and any(isinstance(v, float) for v in values):
         like = DType.FLOAT32
+    if like is None or like is DType.BOOL:
+        like = DType.INT64  # a Python int beside bools only (torch.where(c, 1, 0), c * 5) is int64 in torch
     return [known[i] if i in known else to_node(tracer, v, like) for i, v in enumerate(values)]
 
 
