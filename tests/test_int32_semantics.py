@@ -146,7 +146,7 @@ def oracle(expr, point: dict, buffers: dict):
     return val[expr.digest]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(expr=wide_masks(max_depth=3), box=wide_boxes(), seed=st.integers(0, 2**16))
 def test_wide_masks_evaluator_is_int32_and_analysis_is_sound(expr, box, seed):
     qr, kr, br, hr = box
@@ -219,3 +219,37 @@ def test_infinite_constants_in_masks(bound):
     full = bm._dense(bm.full_kv_num_blocks, bm.full_kv_indices)[0, 0]
     assert torch.equal(bm.to_dense()[0, 0].bool(), torch.ones(4, 4, dtype=torch.bool).triu())
     assert torch.equal(full, torch.ones(4, 4, dtype=torch.bool).triu(1))
+
+
+# ---------------------------------------------------------------- the kernel's own evaluation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", [
+    "q_idx * kv_idx * 4096 >= 0",  # wraps for q * kv >= 2**19
+    "q_idx + 2147483000 > q_idx",  # False from q = 648 on; a compiler assuming no overflow makes it True
+])
+def test_kernel_mask_arithmetic_wraps_like_int32(source):
+    """Every tile partial, so the kernel evaluates the mask at every element; with q = k = 0 each
+    row's lse is log(number of visible keys), which must match the int32 evaluation exactly."""
+    n, blk = 1024, 128
+    mod = flexgen.mask_mod(source)
+    ar = torch.arange(n, dtype=torch.int32)
+    visible = mod.evaluate(torch.float32, q_idx=ar[:, None], kv_idx=ar[None, :]).expand(n, n)
+    assert 0 < int(visible.sum()) < n * n
+    rows = n // blk
+    bm = flexgen.BlockMask.from_kv_blocks(
+        torch.full((1, 1, rows), rows, dtype=torch.int32, device="cuda"),
+        torch.arange(rows, dtype=torch.int32, device="cuda").expand(1, 1, rows, rows).contiguous(),
+        BLOCK_SIZE=blk, mask_mod=mod, seq_lengths=(n, n),
+    )
+    q = torch.zeros(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = flexgen.flex_attention(q, q.clone(), v, block_mask=bm, return_lse=True)
+    counts = visible.sum(-1).to(lse.device)
+    lse = lse.float()
+    assert torch.isneginf(lse[:, :, counts == 0]).all() and (out[:, :, counts == 0] == 0).all()
+    seen = torch.exp(lse[:, :, counts > 0]).round()
+    assert torch.equal(seen, counts[counts > 0].float().expand_as(seen))
+    want = reference_attention(q.double().cpu(), q.double().cpu(), v.double().cpu(), block_mask=bm.to("cpu"))
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
