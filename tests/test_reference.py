@@ -4,7 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flexgen
+from flexgen.blockmask import BlockMask
 from flexgen.dsl import ir, reference
+from flexgen.dsl.errors import FlexgenTraceError
 from flexgen.dsl.ir import BufferSpec, DType
 from flexgen.dsl.mod import Mod
 from flexgen.dsl.reference import reference_attention
@@ -37,7 +40,7 @@ def dense(q, k, v, score_mod=None, mask_mod=None, scale=None):
         s = s.masked_fill(~mask_mod(b, h, qi, ki).expand(s.shape), -math.inf)
     lse = torch.logsumexp(s, -1)
     p = torch.softmax(s, -1).nan_to_num(0.0)
-    return (p @ v).to(q.dtype), lse.float()
+    return (p @ v).to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -72,19 +75,87 @@ def test_chunking_is_invisible(monkeypatch):
     torch.testing.assert_close(lse, want_lse)
 
 
-def test_index_tensors_are_int32_and_broadcastable():
-    seen = {}
+def elementwise(fn, B, H, Lq, Lkv, score=None):
+    """fn called once per (b, h, q_idx, kv_idx) with 0-dim int32 tensors: what a mod means."""
+    out = torch.empty(B, H, Lq, Lkv, dtype=torch.float64 if score is not None else torch.bool)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    for b in range(B):
+        for h in range(H):
+            for qi in range(Lq):
+                for ki in range(Lkv):
+                    args = (i32(b), i32(h), i32(qi), i32(ki))
+                    out[b, h, qi, ki] = fn(score[b, h, qi, ki], *args) if score is not None else fn(*args)
+    return out
 
-    def probe(score, b, h, q_idx, kv_idx):
-        seen.update(b=b, h=h, q=q_idx, kv=kv_idx, score=score)
-        return score
 
-    q, k, v = qkv(B=1, Hq=2, Hkv=2, Lq=3, Lkv=4)
-    reference_attention(q, k, v, probe)
-    assert all(seen[n].dtype == torch.int32 for n in ("b", "h", "q", "kv"))
-    assert seen["b"].shape == (1, 1, 1, 1) and seen["h"].shape == (1, 2, 1, 1)
-    assert seen["q"].shape == (1, 1, 3, 1) and seen["kv"].shape == (1, 1, 1, 4)
-    assert seen["score"].dtype == torch.float64 and seen["score"].shape == (1, 2, 3, 4)
+def test_plain_functions_mean_one_element_at_a_time():
+    # attention-gym's pattern: look up a row of a captured table, then index that row
+    image_of = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2], dtype=torch.int64)  # kv position -> image
+    intervals = torch.tensor([[0, 3], [2, 6], [5, 7]], dtype=torch.int32)  # image -> [first q, last q)
+
+    def mask(b, h, q_idx, kv_idx):
+        interval = intervals[image_of[kv_idx]]
+        return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+    q, k, v = qkv(Lq=7, Lkv=9)
+    out, lse = reference_attention(q, k, v, mask_mod=mask, return_lse=True)
+    allowed = elementwise(mask, 2, 4, 7, 9)
+    assert allowed.any(-1).all() and not allowed.all()
+    want, want_lse = dense(q, k, v, mask_mod=lambda b, h, qi, ki: allowed[b, h, qi, ki])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_index_arithmetic_wraps_like_int32():
+    # q * kv * 2**20 leaves int32 for q * kv >= 2048; kernels and PyTorch's int32 indices wrap
+    mask = lambda b, h, qi, ki: qi * ki * 1048576 >= 0  # noqa: E731
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Lq=64, Lkv=64)
+    qi, ki = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    wrapped = (qi * ki * 2**20 + 2**31) % 2**32 - 2**31  # exact int32 wrap-around, in int64
+    assert (wrapped < 0).any()
+    want = dense(q, k, v, mask_mod=lambda b, h, i, j: (wrapped >= 0)[i, j])[0]
+    torch.testing.assert_close(reference_attention(q, k, v, mask_mod=mask), want, rtol=1e-12, atol=1e-12)
+
+
+def test_functions_the_tracer_refuses_are_vmapped():
+    table = torch.tensor([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5]], dtype=torch.float64)
+    row = torch.tensor([2, 0, 1, 1, 0], dtype=torch.int64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # bessel_j0 is no flexgen op; the lookup is per element
+        return score + torch.special.bessel_j0(table[row[kv_idx]][q_idx % 2])
+
+    with pytest.raises(FlexgenTraceError):
+        flexgen.score_mod(score_mod)
+    q, k, v = qkv(Lq=4, Lkv=5)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+    modified = elementwise(score_mod, 2, 4, 4, 5, score=scores)
+    want = dense(q, k, v, score_mod=lambda s, b, h, qi, ki: modified)[0]
+    torch.testing.assert_close(reference_attention(q, k, v, score_mod=score_mod), want, rtol=1e-12, atol=1e-12)
+
+
+def test_lse_is_float64_for_float64_inputs():
+    q, k, v = qkv(Lq=5, Lkv=6)
+    _, lse = reference_attention(q, k, v, mask_mod=causal, return_lse=True)
+    assert lse.dtype == torch.float64
+    s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~torch.ones(5, 6, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-14, atol=1e-14)
+    _, lse32 = reference_attention(q.float(), k.float(), v.float(), return_lse=True)
+    assert lse32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("size", [1e16, 1e30, 1e300])
+def test_huge_equal_scores_average_the_values(size):
+    q, k, v = qkv(Lq=3, Lkv=6)
+    out, lse = reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.0 + size, return_lse=True)
+    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand_as(out), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.full_like(lse, size) + math.log(6), rtol=1e-15, atol=0.0)
+
+
+def test_huge_distinct_scores_pick_the_largest():
+    q, k, v = qkv(Lq=5, Lkv=7)
+    out = reference_attention(q, k, v, scale=1e17)
+    want, _ = dense(q, k, v, scale=1e17)  # torch.softmax subtracts the maximum
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- against torch SDPA
@@ -96,7 +167,7 @@ def test_matches_sdpa_causal():
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, want)
     s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf)
-    torch.testing.assert_close(lse, torch.logsumexp(s, -1).float())
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1))
 
 
 def test_matches_sdpa_gqa_with_scale():
@@ -187,3 +258,82 @@ def test_validation_errors():
         reference_attention(q, k, v, score_mod=Mod("mask", ir.const(True)), enable_gqa=True)
     with pytest.raises(TypeError, match="floating"):
         reference_attention(q.long(), k, v, enable_gqa=True)
+
+
+# ---------------------------------------------------------------- block masks
+
+
+def block_layout_mask(partial, full, bq, bkv, mask, B, H, Lq, Lkv):
+    """The dense mask a block mask stands for, position by position: full blocks visible,
+    partial blocks where mask_mod holds, the rest hidden."""
+    allowed = torch.zeros(B, H, Lq, Lkv, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            pb, ph = min(b, partial.shape[0] - 1), min(h, partial.shape[1] - 1)
+            for qi in range(Lq):
+                for ki in range(Lkv):
+                    if full[pb, ph, qi // bq, ki // bkv]:
+                        allowed[b, h, qi, ki] = True
+                    elif partial[pb, ph, qi // bq, ki // bkv]:
+                        allowed[b, h, qi, ki] = bool(mask(*(torch.tensor(x, dtype=torch.int32) for x in (b, h, qi, ki))))
+    return allowed
+
+
+@pytest.mark.parametrize("mb,mh", [(1, 1), (2, 1), (2, 4)])
+def test_block_mask_is_blocks_and_mask_mod(mb, mh):
+    g = torch.Generator().manual_seed(mb * 10 + mh)
+    B, H, Lq, Lkv, bq, bkv = 2, 4, 21, 26, 8, 8
+    nq, nkv = -(-Lq // bq), -(-Lkv // bkv)
+    state = torch.randint(0, 3, (mb, mh, nq, nkv), generator=g)  # 0 skipped, 1 partial, 2 full
+    partial, full = state == 1, state == 2
+    # the mask is False in places inside full blocks too: there it must not apply
+    mask = lambda b, h, qi, ki: (qi + 2 * ki + h) % 3 != 0  # noqa: E731
+    order = lambda blocks: torch.sort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)  # noqa: E731
+    bm = BlockMask.from_kv_blocks(
+        partial.sum(-1, dtype=torch.int32), order(partial)[1].int(),
+        full.sum(-1, dtype=torch.int32), order(full)[1].int(),
+        BLOCK_SIZE=(bq, bkv), mask_mod=mask, seq_lengths=(Lq, Lkv),
+    )
+    allowed = block_layout_mask(partial, full, bq, bkv, mask, B, H, Lq, Lkv)
+    q, k, v = qkv(B=B, Hq=H, Hkv=2, Lq=Lq, Lkv=Lkv)
+    bias = lambda s, b, h, qi, ki: s - 0.5 * (qi - ki).abs() + 0.25 * h  # exact in float32 too  # noqa: E731
+    out, lse = reference_attention(q, k, v, score_mod=bias, block_mask=bm, enable_gqa=True, return_lse=True)
+    want, want_lse = dense(q, k, v, score_mod=bias, mask_mod=lambda b, h, qi, ki: allowed[b, h, qi, ki])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_block_mask_from_create_block_mask_and_from_pytorch():
+    doc = torch.tensor([0] * 20 + [1] * 30 + [2] * 14)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Lq=64, Lkv=64)
+    want = reference_attention(q, k, v, mask_mod=document_causal)
+    ours = flexgen.create_block_mask(document_causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    torch.testing.assert_close(reference_attention(q, k, v, block_mask=ours), want, rtol=1e-12, atol=1e-12)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    theirs = create_block_mask(document_causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    torch.testing.assert_close(reference_attention(q, k, v, block_mask=theirs), want, rtol=1e-12, atol=1e-12)
+
+
+def test_block_mask_errors():
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Lq=32, Lkv=32)
+    bm = flexgen.create_block_mask(causal, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="either mask_mod or block_mask"):
+        reference_attention(q, k, v, mask_mod=causal, block_mask=bm)
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\) = \(32, 32\)"):
+        reference_attention(q[:, :, :16], k, v, block_mask=bm)
+    with pytest.raises(TypeError, match="block_mask="):
+        reference_attention(q, k, v, mask_mod=bm)
+    wide = BlockMask.from_kv_blocks(torch.ones(3, 1, 2, dtype=torch.int32), torch.zeros(3, 1, 2, 2, dtype=torch.int32),
+                                    BLOCK_SIZE=16, seq_lengths=(32, 32))
+    with pytest.raises(ValueError, match="B=3"):
+        reference_attention(q, k, v, block_mask=wide)
+    past_end = BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
+                                        BLOCK_SIZE=16, seq_lengths=(32, 32))
+    past_end.kv_indices[..., 0] = 5
+    with pytest.raises(ValueError, match="outside"):
+        reference_attention(q, k, v, block_mask=past_end)

@@ -1,8 +1,12 @@
 """Reference semantics of the IR: evaluate an expression on torch tensors.
 
-Integer ops follow torch (and Python): `//` floors, `%` takes the divisor's sign.
-Floats evaluate in `float_dtype` (float64 for the ground truth, float32 to mirror
-the kernels). Index inputs broadcast, so one call covers a whole (b, h, q, kv) grid.
+Integers are int32 or int64 tensors, as in the kernels (PyTorch's FlexAttention also passes
+int32 indices): `+ - *`, negation and `abs` wrap around modulo 2**32 or 2**64, narrowing casts
+keep the low bits. `//` floors and `%` takes the divisor's sign, like torch and Python (the
+lowering's fg_floordiv / fg_mod do the same). A float cast to an integer truncates toward zero
+and saturates at the type's bounds, NaN giving 0, as the GPU's cvt.rzi does (torch on a CPU
+gives INT_MIN instead). Floats evaluate in `float_dtype` (float64 for the ground truth, float32
+to mirror the kernels). Index inputs broadcast, so one call covers a whole (b, h, q, kv) grid.
 """
 from __future__ import annotations
 
@@ -117,10 +121,24 @@ def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor],
     return buf[tuple(idx)]
 
 
+def _saturating_int(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """float -> int32/int64 as the GPU converts: truncate, clamp to the type's range, NaN -> 0."""
+    info = torch.iinfo(dt)
+    x = torch.nan_to_num(x.to(torch.float64), nan=0.0).trunc()
+    # the type's bounds as floats are exact powers of two: compare there, convert what is inside
+    inside = (x >= info.min) & (x < -float(info.min))
+    out = torch.where(inside, x, torch.zeros_like(x)).to(dt)
+    out = torch.where(x >= -float(info.min), torch.full_like(out, info.max), out)
+    return torch.where(x < info.min, torch.full_like(out, info.min), out)
+
+
 def _apply(n: Node, args: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
     op = n.op
     if op == "cast":
-        return args[0].to(dt)
+        x = args[0]
+        if x.dtype.is_floating_point and not dt.is_floating_point and dt is not torch.bool:
+            return _saturating_int(x, dt)
+        return x.to(dt)
     if op == "where":
         return torch.where(args[0], args[1], args[2]).to(dt)
     if op == "floordiv":

@@ -134,6 +134,31 @@ def _digest_of(node: Node) -> str:
 # Every constructor checks operand types, so an ill-typed DAG cannot be built.
 
 
+INT_RANGE = {DType.INT32: (-(2**31), 2**31 - 1), DType.INT64: (-(2**63), 2**63 - 1)}
+
+
+def check_int_range(value: int, dtype: DType, what: str = "integer constant") -> None:
+    """Kernels compute integers in int32/int64 (PyTorch passes int32 indices), so a constant
+    that does not fit its type would wrap in the emitted CUDA: refuse it here instead."""
+    lo, hi = INT_RANGE[dtype]
+    if not lo <= value <= hi:
+        bits = 32 if dtype is DType.INT32 else 64
+        hint = ("; for int64 arithmetic, cast the traced value with .long() first"
+                if dtype is DType.INT32 and INT_RANGE[DType.INT64][0] <= value <= INT_RANGE[DType.INT64][1] else "")
+        raise IRTypeError(
+            f"{what} {_int_text(value)} does not fit in {dtype.value}, the type it is computed in; "
+            f"allowed range [-2**{bits - 1}, 2**{bits - 1} - 1]{hint}"
+        )
+
+
+def _int_text(value: int) -> str:
+    """2**70 rather than 1180591620717411303424 where that is what it is."""
+    mag = abs(value)
+    if mag >= 2**20 and mag & (mag - 1) == 0:
+        return f"{'-' if value < 0 else ''}2**{mag.bit_length() - 1}"
+    return str(value)
+
+
 def const(value: bool | int | float, dtype: DType | None = None) -> Node:
     if dtype is None:
         if isinstance(value, bool):
@@ -147,7 +172,10 @@ def const(value: bool | int | float, dtype: DType | None = None) -> Node:
     if dtype is DType.BOOL:
         value = bool(value)
     elif dtype.is_int:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise IRTypeError(f"{value} cannot be an {dtype.value} constant; integers have no inf or nan")
         value = int(value)
+        check_int_range(value, dtype)
     else:
         value = float(value)
     return Node("const", dtype, (), value)

@@ -20,10 +20,14 @@ indices, q_idx in [q0, q1), kv_idx in [k0, k1), b in b_range, h in h_range:
   approximate transcendental functions kernels use), with a may-be-NaN flag;
 * anything not understood (buffer loads, unknown ops) is "may be anything".
 
-Soundness assumes integer arithmetic does not overflow (the kernels compute in
-int32/int64 and would wrap): the analysis reasons over unbounded integers.
-Unbound scalar parameters range over their dtype. A FULL or EMPTY answer is
-then guaranteed for every point of the tile; PARTIAL means "evaluate elementwise".
+Integers are int32/int64 as in the kernels, where arithmetic wraps around. The
+reasoning above is over unbounded integers, which agree with int32/int64 wherever no
+operation leaves its type's range; so every integer operation's range is checked
+against its type, and a tile where one may overflow (or a float converted to an
+integer may be out of range or NaN) is reported PARTIAL: it is evaluated element by
+element with the kernel's arithmetic. Unbound scalar parameters range over their
+dtype. A FULL or EMPTY answer is then guaranteed for every point of the tile;
+PARTIAL means "evaluate elementwise".
 
 All bounds are float64 tensors so that one pass classifies a whole grid of
 tiles at once (`classify_blocks`). Finite integer bounds are kept exact: any
@@ -77,7 +81,10 @@ def classify_tile(
         "b": _point_range(b_range or _ANY_INDEX, "b_range"),
         "h": _point_range(h_range or _ANY_INDEX, "h_range"),
     }
-    result = _Analyzer(ranges, params).run(_check_mask(mask_expr))
+    analyzer = _Analyzer(ranges, params)
+    result = analyzer.run(_check_mask(mask_expr))
+    if bool(analyzer.overflow):
+        return TileClass.PARTIAL
     if not bool(result.may_f):
         return TileClass.FULL
     if not bool(result.may_t):
@@ -114,11 +121,13 @@ def classify_blocks(
         "b": _point_range(b_range or _ANY_INDEX, "b_range"),
         "h": _point_range(h_range or _ANY_INDEX, "h_range"),
     }
-    result = _Analyzer(ranges, params).run(_check_mask(mask_expr))
+    analyzer = _Analyzer(ranges, params)
+    result = analyzer.run(_check_mask(mask_expr))
     may_t = result.may_t.expand(nq, nkv)
     may_f = result.may_f.expand(nq, nkv)
-    full = ~may_f
-    partial = may_t & may_f
+    overflow = analyzer.overflow.expand(nq, nkv)  # int32/int64 may wrap: decide element by element
+    full = ~may_f & ~overflow
+    partial = (may_t & may_f) | overflow
     return full.contiguous(), partial.contiguous()
 
 
@@ -215,6 +224,8 @@ def _widen(lo, hi, rel: float):
 
 
 _DTYPE_RANGE = {DType.INT32: (-(2.0**31), 2.0**31 - 1), DType.INT64: (-_INF, _INF)}
+# What fits without wrapping (int64's bounds as floats are exact: -2**63 and 2**63, exclusive).
+_FITS = {DType.INT32: (-(2.0**31), 2.0**31 - 1), DType.INT64: (-(2.0**63), 2.0**63)}
 _BUFFER_RANGE = {
     "int8": (-128.0, 127.0),
     "uint8": (0.0, 255.0),
@@ -232,6 +243,7 @@ class _Analyzer:
     def __init__(self, ranges: dict[str, tuple[torch.Tensor, torch.Tensor]], params):
         self.ranges = dict(ranges)  # variable (index input or atom digest) -> inclusive bounds
         self.params = dict(params or {})
+        self.overflow = torch.tensor(False)  # per tile: some integer value may have wrapped
 
     def run(self, root: Node) -> _Bool:
         vals: dict[str, object] = {}
@@ -243,8 +255,19 @@ class _Analyzer:
         if n.dtype is DType.BOOL:
             return self.visit_bool(n, args)
         if n.dtype.is_int:
-            return self.visit_int(n, args)
+            value = self.visit_int(n, args)
+            # loads and parameters are in range by their type (their bounds may be loose), and
+            # where/min/max pick an operand: only arithmetic (and the inputs' ranges) can leave it
+            if n.op not in ("load", "param", "where", "min", "max"):
+                self.check_fits(n.dtype, value.lo, value.hi)
+            return value
         return self.visit_float(n, args)
+
+    def check_fits(self, dtype: DType, lo, hi) -> None:
+        """Mark the tiles where a value of `dtype` in lo..hi may lie outside the type (it wraps there)."""
+        fit_lo, fit_hi = _FITS[dtype]
+        strict = dtype is DType.INT64  # int64's upper bound 2**63 is itself out of range
+        self.overflow = self.overflow | (lo < fit_lo) | ((hi >= fit_hi) if strict else (hi > fit_hi))
 
     # ------------------------------------------------------------ integers
 
@@ -334,9 +357,11 @@ class _Analyzer:
             if bool(x.must_f.all()):
                 return self.const_int(0)
             return self.atom(n, torch.where(x.may_f, 0.0, 1.0), torch.where(x.may_t, 1.0, 0.0))
-        # float -> int truncates toward zero, which is monotone; NaN converts to anything
+        # float -> int truncates toward zero, which is monotone; NaN converts to anything. Out of
+        # range (or NaN) C's conversion is undefined, so those tiles are left to the kernel.
         lo, hi = torch.trunc(x.lo), torch.trunc(x.hi)
         dlo, dhi = _DTYPE_RANGE[n.dtype]
+        self.check_fits(n.dtype, lo, hi)  # x.lo, x.hi are infinite where x may be NaN
         return self.atom(n, torch.where(x.nan, dlo, lo), torch.where(x.nan, dhi, hi))
 
     def int_mul(self, n: Node, a: _Int, b: _Int) -> _Int:
@@ -496,6 +521,8 @@ class _Analyzer:
         return out
 
     def float_compare(self, n: Node, a: _Float, b: _Float) -> _Bool:
+        a = self.infinite_const(n.args[0]) or a
+        b = self.infinite_const(n.args[1]) or b
         nan = a.nan | b.nan
         op = n.op
         if n.args[0] == n.args[1]:  # x op x: decided unless x may be NaN
@@ -516,6 +543,17 @@ class _Analyzer:
         if op == "eq":
             return _Bool(overlap, ~point | nan)
         return _Bool(~point | nan, overlap)
+
+    def infinite_const(self, node: Node) -> _Float | None:
+        """An infinite constant (or bound parameter) as the exact point it is. _Float otherwise
+        keeps only finite intervals, as arithmetic on infinities can make NaN; a comparison cannot."""
+        v = node.attr if node.op == "const" else self.params.get(node.attr) if node.op == "param" else None
+        if isinstance(v, bool) or not isinstance(v, float) or not math.isinf(v):
+            return None
+        point = object.__new__(_Float)
+        point.lo = point.hi = _f(v)
+        point.nan, point.int_exact = torch.tensor(False), False
+        return point
 
     # ------------------------------------------------------------ floats
 
@@ -609,7 +647,7 @@ def _float_const(v: float) -> _Float:
     if math.isnan(v):
         return _Float(-_INF, _INF, True)
     v32 = torch.tensor(v, dtype=torch.float64).to(torch.float32).item()  # what a float32 kernel sees
-    exact = v == v32 and v == math.floor(v) and abs(v) <= _F32_INT
+    exact = math.isfinite(v) and v == v32 and v == math.floor(v) and abs(v) <= _F32_INT
     return _Float(min(v, v32), max(v, v32), False, exact)
 
 

@@ -6,13 +6,21 @@
     out    = softmax(score, over kv) @ v              a fully masked row gives 0, never NaN
     lse    = logsumexp(score, over kv)                natural log; -inf on a fully masked row
 
-score_mod / mask_mod are `Mod`s (evaluated in float64) or plain callables. Callables
-get broadcastable int32 index tensors, the way FlexAttention passes them:
-b[:, None, None, None], h[None, :, None, None], q_idx[None, None, :, None],
-kv_idx[None, None, None, :], and a float64 score of shape (1, heads, q, kv) for
-the current chunk. The work is chunked over query rows and heads so that one
-score chunk holds about 2**24 elements. The computation is differentiable by
-torch autograd, so it also gives reference gradients.
+score_mod / mask_mod mean what they mean to the kernels: a function of one score and one
+(b, h, q_idx, kv_idx), with int32 indices whose arithmetic wraps around. A plain callable is
+traced to the IR (flexgen.dsl.api), exactly as flex_attention traces it, and the IR is evaluated
+(flexgen.dsl.evaluate), so the ground truth and the kernel cannot disagree on what a function
+means (a mod that indexes a captured tensor and then indexes the result, say). A callable the
+tracer refuses is evaluated the way PyTorch's FlexAttention does it, through torch.vmap over
+b, h, q_idx and kv_idx, one element at a time in meaning. Scores are float64; a mask's float
+arithmetic is float32, as in the kernels and in create_block_mask.
+
+With `block_mask` (a flexgen or PyTorch BlockMask), a position is visible where its block is
+listed as full, or listed as partial and its mask_mod (the block mask's) holds there; unlisted
+blocks are skipped: FlexAttention's semantics, computed densely. The softmax subtracts the row
+maximum, so it is exact for scores of any size. The work is chunked over query rows and heads so
+that one score chunk holds about 2**24 elements. The computation is differentiable by torch
+autograd, so it also gives reference gradients.
 """
 from __future__ import annotations
 
@@ -21,10 +29,12 @@ from typing import Callable
 
 import torch
 
+from .errors import FlexgenTraceError, ReturnTypeError, SignatureError
 from .mod import Mod
 
 CHUNK_ELEMENTS = 1 << 24
 _INDEX_DTYPE = torch.int32
+_SKIP, _PARTIAL, _FULL = 0, 1, 2  # a block's state in a block mask
 
 
 def reference_attention(
@@ -36,42 +46,55 @@ def reference_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    block_mask=None,
 ):
     """Attention of q (B, Hq, Lq, D) over k (B, Hkv, Lkv, D) and v (B, Hkv, Lkv, Dv).
 
-    Returns out (B, Hq, Lq, Dv) in q.dtype, and with return_lse also lse (B, Hq, Lq)
-    in float32. With enable_gqa, query head h reads kv head h // (Hq // Hkv)."""
+    Returns out (B, Hq, Lq, Dv) in q.dtype, and with return_lse also lse (B, Hq, Lq), in
+    float64 for float64 inputs and float32 otherwise. With enable_gqa, query head h reads kv
+    head h // (Hq // Hkv). `block_mask` replaces mask_mod (it carries its own)."""
     B, Hq, Lq, D, Hkv, Lkv, Dv = _check_shapes(q, k, v, enable_gqa)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    layout = None
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise ValueError("pass either mask_mod or block_mask (whose mask_mod applies inside its partial blocks), not both")
+        from ..blockmask import BlockMask
+
+        block_mask = BlockMask.from_torch(block_mask)
+        layout = _block_layout(block_mask, B, Hq, Lq, Lkv, q.device)
+        mask_mod = block_mask.mask_mod
     score_fn = _as_score_fn(score_mod)
     mask_fn = _as_mask_fn(mask_mod)
-    group = Hq // Hkv
-    rows = max(1, min(Lq, CHUNK_ELEMENTS // max(Lkv, 1)))
-    heads = max(1, min(Hq, CHUNK_ELEMENTS // (rows * max(Lkv, 1))))
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     device = q.device
-    if B * Hq * Lq == 0:
+    if B * Hq * Lq == 0 or Lkv == 0:
         out = q.new_zeros(B, Hq, Lq, Dv)
-        return (out, torch.zeros(B, Hq, Lq, dtype=torch.float32, device=device)) if return_lse else out
-    kv_idx = torch.arange(Lkv, dtype=_INDEX_DTYPE, device=device)[None, None, None, :]
+        return (out, torch.full((B, Hq, Lq), -math.inf, dtype=lse_dtype, device=device)) if return_lse else out
+    group = Hq // Hkv
+    rows = max(1, min(Lq, CHUNK_ELEMENTS // Lkv))
+    heads = max(1, min(Hq, CHUNK_ELEMENTS // (rows * Lkv)))
+    kv_idx = torch.arange(Lkv, dtype=_INDEX_DTYPE, device=device)
 
     outs, lses = [], []
     for b in range(B):
         kb, vb = k[b].to(torch.float64), v[b].to(torch.float64)
-        b_idx = torch.full((1, 1, 1, 1), b, dtype=_INDEX_DTYPE, device=device)
+        b_idx = torch.full((1,), b, dtype=_INDEX_DTYPE, device=device)
         out_b, lse_b = [], []
         for h0 in range(0, Hq, heads):
-            h1 = min(h0 + heads, Hq)
-            h_idx = torch.arange(h0, h1, dtype=_INDEX_DTYPE, device=device)
+            h_idx = torch.arange(h0, min(h0 + heads, Hq), dtype=_INDEX_DTYPE, device=device)
             kv_head = (h_idx // group).long()
             kh, vh = kb[kv_head], vb[kv_head]  # (heads, Lkv, D), (heads, Lkv, Dv)
             out_h, lse_h = [], []
             for q0 in range(0, Lq, rows):
-                q1 = min(q0 + rows, Lq)
-                q_idx = torch.arange(q0, q1, dtype=_INDEX_DTYPE, device=device)[None, None, :, None]
-                qc = q[b, h0:h1, q0:q1].to(torch.float64)
+                q_idx = torch.arange(q0, min(q0 + rows, Lq), dtype=_INDEX_DTYPE, device=device)
+                qc = q[b, h0 : h0 + len(h_idx), q0 : q0 + len(q_idx)].to(torch.float64)
                 score = (qc @ kh.transpose(-1, -2) * scale)[None]  # (1, heads, rows, Lkv)
-                idx = (b_idx, h_idx[None, :, None, None], q_idx, kv_idx)
-                o, l = _softmax_rows(score, vh, idx, score_fn, mask_fn)
+                idx = (b_idx, h_idx, q_idx, kv_idx)
+                if score_fn is not None:
+                    score = _full_shape(score_fn(score, *idx), torch.float64, score.shape)
+                keep = _visible(idx, mask_fn, layout, score.shape)
+                o, l = _softmax_rows(score, keep, vh)
                 out_h.append(o)
                 lse_h.append(l)
             out_b.append(torch.cat(out_h, dim=2))
@@ -80,46 +103,155 @@ def reference_attention(
         lses.append(torch.cat(lse_b, dim=1))
     out = torch.cat(outs, dim=0).to(q.dtype)
     if return_lse:
-        return out, torch.cat(lses, dim=0).to(torch.float32)
+        return out, torch.cat(lses, dim=0).to(lse_dtype)
     return out
 
 
-def _softmax_rows(score, vh, idx, score_fn, mask_fn):
-    """Output and lse for one (1, heads, rows, Lkv) chunk of scores."""
-    if score_fn is not None:
-        score = torch.broadcast_to(torch.as_tensor(score_fn(score, *idx), device=score.device).to(torch.float64), score.shape)
-    if mask_fn is not None:
-        keep = torch.broadcast_to(torch.as_tensor(mask_fn(*idx), device=score.device).to(torch.bool), score.shape)
+def _full_shape(value, dtype, shape) -> torch.Tensor:
+    return torch.broadcast_to(torch.as_tensor(value).to(dtype), shape)
+
+
+def _visible(idx, mask_fn, layout, shape):
+    """Bool (1, heads, rows, Lkv): which scores of the chunk take part, or None for all of them."""
+    keep = None if mask_fn is None else _full_shape(mask_fn(*idx), torch.bool, shape)
+    if layout is None:
+        return keep
+    states, (bq, bkv) = layout
+    b, h, qi, ki = idx
+    per_b = states[int(b[0]) if states.shape[0] > 1 else 0]  # one batch row per chunk: (H or 1, blocks_q, blocks_kv)
+    per_h = per_b[h.long()] if per_b.shape[0] > 1 else per_b
+    state = per_h[:, (qi // bq).long()][:, :, (ki // bkv).long()][None]  # (1, heads or 1, rows, Lkv)
+    visible = state == _FULL
+    partial = state == _PARTIAL
+    return torch.broadcast_to(visible | (partial if keep is None else partial & keep), shape)
+
+
+def _softmax_rows(score, keep, vh):
+    """Output and lse for one (1, heads, rows, Lkv) chunk of scores: the row maximum comes off
+    first, so exp() never overflows and huge scores still normalise (sum of p, not 1 + ulps)."""
+    if keep is not None:
         score = score.masked_fill(~keep, -math.inf)
-    lse = torch.logsumexp(score, dim=-1)  # -inf where the whole row is masked
-    # a fully masked row would be exp(-inf - -inf) = NaN; shifting it by 0 makes it 0
-    shift = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
-    p = torch.exp(score - shift[..., None])
-    return p @ vh[None], lse
+    top = score.amax(dim=-1, keepdim=True).detach()  # the result does not depend on it
+    top = torch.where(top == -math.inf, torch.zeros_like(top), top)  # fully masked rows: p = 0
+    p = torch.exp(score - top)
+    total = p.sum(dim=-1, keepdim=True)
+    empty = total == 0
+    out = (p @ vh[None]) / torch.where(empty, torch.ones_like(total), total)
+    lse = torch.where(empty, -math.inf, top + torch.log(torch.where(empty, torch.ones_like(total), total)))
+    return out, lse.squeeze(-1)
+
+
+# ---------------------------------------------------------------- what the mods mean
 
 
 def _as_score_fn(score_mod):
+    """(score, b, h, q_idx, kv_idx) with 1-D index vectors -> scores of shape (b, h, q, kv)."""
     if score_mod is None:
         return None
-    if isinstance(score_mod, Mod):
-        if score_mod.kind != "score":
-            raise ValueError(f"score_mod must be a score Mod, got a {score_mod.kind} Mod ({score_mod.name!r})")
-        return lambda s, b, h, qi, ki: score_mod.evaluate(torch.float64, score=s, b=b, h=h, q_idx=qi, kv_idx=ki)
-    if not callable(score_mod):
-        raise TypeError(f"score_mod must be a Mod or a callable, got {type(score_mod).__name__}")
-    return score_mod
+    mod, refusal = _traced(score_mod, "score")
+    if mod is None:
+        return _vmapped(score_mod, refusal, with_score=True)
+    return lambda s, b, h, qi, ki: mod.evaluate(torch.float64, score=s, **_grid(b, h, qi, ki))
 
 
 def _as_mask_fn(mask_mod):
+    """(b, h, q_idx, kv_idx) with 1-D index vectors -> bools of shape (b, h, q, kv)."""
     if mask_mod is None:
         return None
-    if isinstance(mask_mod, Mod):
-        if mask_mod.kind != "mask":
-            raise ValueError(f"mask_mod must be a mask Mod, got a {mask_mod.kind} Mod ({mask_mod.name!r})")
-        return lambda b, h, qi, ki: mask_mod.evaluate(torch.float64, b=b, h=h, q_idx=qi, kv_idx=ki)
-    if not callable(mask_mod):
-        raise TypeError(f"mask_mod must be a Mod or a callable, got {type(mask_mod).__name__}")
-    return mask_mod
+    mod, refusal = _traced(mask_mod, "mask")
+    if mod is None:
+        return _vmapped(mask_mod, refusal, with_score=False)
+    if mod.is_noop:
+        return None
+    return lambda b, h, qi, ki: mod.evaluate(torch.float32, **_grid(b, h, qi, ki))
+
+
+def _grid(b, h, qi, ki) -> dict[str, torch.Tensor]:
+    """1-D index vectors as broadcastable (b, h, q, kv) grids, as evaluate() takes them."""
+    return {"b": b[:, None, None, None], "h": h[None, :, None, None],
+            "q_idx": qi[None, None, :, None], "kv_idx": ki[None, None, None, :]}
+
+
+def _traced(fn, kind: str) -> tuple[Mod | None, str]:
+    """`fn` as a Mod (traced as flex_attention traces it), or (None, why) where the tracer cannot take it."""
+    if isinstance(fn, Mod):
+        if fn.kind != kind:
+            raise ValueError(f"{kind}_mod must be a {kind} Mod, got a {fn.kind} Mod ({fn.name!r})")
+        return fn, ""
+    if hasattr(fn, "kv_indices") and hasattr(fn, "BLOCK_SIZE"):
+        raise TypeError(f"{kind}_mod is a BlockMask; pass it as block_mask=")
+    if not callable(fn):
+        raise TypeError(f"{kind}_mod must be a Mod or a callable, got {type(fn).__name__}")
+    from .api import mask_mod, score_mod  # api imports this package's tracer, which imports mod
+
+    try:
+        return (score_mod(fn) if kind == "score" else mask_mod(fn)), ""
+    except (SignatureError, ReturnTypeError):
+        raise  # the function is wrong, not merely beyond the tracer
+    except FlexgenTraceError as refused:
+        return None, refused.detail
+
+
+def _vmapped(fn, refusal: str, with_score: bool):
+    """`fn` applied per element, as PyTorch's FlexAttention does it: vmap over kv_idx, then
+    q_idx, h and b (and the score along with them)."""
+    mapped = fn
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        mapped = torch.vmap(mapped, in_dims=((0,) if with_score else ()) + dims)
+
+    def run(*args):
+        try:
+            return mapped(*args)
+        except Exception as e:
+            e.add_note(f"(flexgen's tracer could not take this function either: {refusal})")
+            raise
+
+    return run
+
+
+# ---------------------------------------------------------------- block masks
+
+
+def _block_layout(bm, B: int, Hq: int, Lq: int, Lkv: int, device) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(states, BLOCK_SIZE): states (B or 1, H or 1, q blocks, kv blocks) holds _SKIP, _PARTIAL or
+    _FULL for each block (a block listed as both is full)."""
+    if tuple(bm.seq_lengths) != (Lq, Lkv):
+        raise ValueError(
+            f"the block mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)} but the inputs have ({Lq}, {Lkv})"
+        )
+    bq, bkv = bm.BLOCK_SIZE
+    counts, indices = bm.kv_num_blocks, bm.kv_indices
+    nq, cols = indices.shape[-2:]
+    if nq * bq < Lq or cols * bkv < Lkv:
+        raise ValueError(
+            f"block mask of {nq} x {cols} blocks of {bq} x {bkv} does not cover Q_LEN={Lq}, KV_LEN={Lkv}"
+        )
+    partial = _dense_blocks(counts.to(device), indices.to(device), cols, B, Hq)
+    full = torch.zeros_like(partial)
+    if bm.full_kv_num_blocks is not None:
+        full = _dense_blocks(bm.full_kv_num_blocks.to(device), bm.full_kv_indices.to(device), cols, B, Hq)
+    partial, full = torch.broadcast_tensors(partial, full)
+    states = torch.where(full, _FULL, torch.where(partial, _PARTIAL, _SKIP)).to(torch.int8)
+    return states[:, :, : -(-Lq // bq), : -(-Lkv // bkv)], (bq, bkv)
+
+
+def _dense_blocks(counts: torch.Tensor, indices: torch.Tensor, cols: int, B: int, Hq: int) -> torch.Tensor:
+    """(B or 1, H or 1, q blocks, cols) bools from per-row counts and block indices, checked."""
+    from ..blockmask import _lists_to_dense
+
+    if indices.dim() != 4 or counts.shape != indices.shape[:-1]:
+        raise ValueError(
+            f"block mask indices must be (B, H, q blocks, kv blocks) and counts (B, H, q blocks); "
+            f"got {tuple(indices.shape)} and {tuple(counts.shape)}"
+        )
+    mb, mh = indices.shape[:2]
+    if mb not in (1, B) or mh not in (1, Hq):
+        raise ValueError(f"block mask has B={mb}, H={mh}; each must be 1 or match the query's B={B}, H={Hq}")
+    slots = indices.shape[-1]
+    present = torch.arange(slots, device=indices.device) < counts[..., None]
+    if bool((counts < 0).any()) or bool((counts > slots).any()) or bool((present & ((indices < 0) | (indices >= cols))).any()):
+        raise ValueError(f"block mask lists block counts outside [0, {slots}] or block indices outside [0, {cols})")
+    return _lists_to_dense(counts, indices, cols)
 
 
 def _check_shapes(q, k, v, enable_gqa):

@@ -96,9 +96,15 @@ class Tracer:
         return Proxy(self, ir.input_(name))
 
     def param(self, name: str, value: bool | int | float) -> "Proxy":
+        dtype = _scalar_dtype(value)
+        if dtype.is_int:
+            try:
+                ir.check_int_range(value, dtype, f"parameter {name!r} =")
+            except ir.IRTypeError as e:
+                raise self.error(FlexgenTypeError, str(e)) from None
         name = self._fresh_name(name)
         self.params[name] = value
-        return Proxy(self, ir.param(name, _scalar_dtype(value)))
+        return Proxy(self, ir.param(name, dtype))
 
     def bind(self, name: str, value: Any, specialize: bool) -> Any:
         """What a keyword binding stands for while tracing: a tensor (a buffer once it is read),
@@ -259,12 +265,13 @@ def _scalar_dtype(value: bool | int | float) -> DType:
 
 def _scalar_const(value: bool | int | float, like: DType | None) -> Node:
     """Python scalars are weakly typed, as in torch: an int next to a float value is a float
-    constant, an int next to an int64 value is int64."""
+    constant, an int next to an int32 or int64 value has that type (and must fit in it: torch
+    would wrap it silently, the kernel too)."""
     if isinstance(value, int) and not isinstance(value, bool):
         if like is DType.FLOAT32:
             return ir.const(float(value))
-        if like is DType.INT64:
-            return ir.const(value, DType.INT64)
+        if like is not None and like.is_int:
+            return ir.const(value, like)
     return ir.const(value)
 
 
@@ -277,7 +284,10 @@ def to_node(tracer: Tracer, value: Value, like: DType | None = None) -> Node:
         raise value.too_few_error()
     scalar = as_scalar(value)
     if scalar is not None:
-        return _scalar_const(scalar, like)
+        try:
+            return _scalar_const(scalar, like)
+        except ir.IRTypeError as e:  # a constant out of its type's range
+            raise tracer.error(FlexgenTypeError, str(e)) from None
     if isinstance(value, torch.Tensor):
         spec = tracer.buffer(value)
         if spec.ndim != 0:
@@ -302,6 +312,8 @@ def _nodes(tracer: Tracer, *values: Value) -> list[Node]:
         like = node.dtype if like is None else ir.promote(like, node.dtype)
     if like is None and any(isinstance(v, float) for v in values):
         like = DType.FLOAT32
+    if like is None or like is DType.BOOL:
+        like = DType.INT64  # a Python int beside bools only (torch.where(c, 1, 0), c * 5) is int64 in torch
     return [known[i] if i in known else to_node(tracer, v, like) for i, v in enumerate(values)]
 
 
