@@ -12,6 +12,12 @@ Implementations:
   sdpa-flash    F.scaled_dot_product_attention under sdpa_kernel(FLASH_ATTENTION) (full, causal)
   sdpa-cudnn    the same under CUDNN_ATTENTION (full, causal)
   flex          torch.compile(flex_attention, dynamic=False), torch's create_block_mask(BLOCK_SIZE=128)
+  fa4           FlashAttention-4 (flash_attn.cute.interface.flash_attn_func): built-in causal, window and
+                softcap; ALiBi as a CuTe-DSL score_mod; document and prefix-LM masks as CuTe-DSL mask_mods
+                with block sparsity from torch's create_block_mask(BLOCK_SIZE=128). Inputs copied once to
+                its (B, N, H, D) layout outside the timed calls. In the default set when it imports
+                (benchmarks/fa4_setup.sh installs it on the GPU machine); asked for and missing, it is
+                recorded as "unavailable (reason)" and the run goes on.
   sdpa-effmask  SDPA's memory-efficient backend with a dense boolean mask (mask-only variants; opt-in)
   sdpa-math     SDPA's math backend (opt-in; the only one that also runs on a CPU)
 
@@ -56,9 +62,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 DEFAULT_VARIANTS = ["full", "causal", "sliding1024", "alibi-causal", "softcap30-causal", "document-causal", "prefix-lm"]
-DEFAULT_IMPLS = ["flexgen", "sdpa-flash", "sdpa-cudnn", "flex"]
-KNOWN_IMPLS = DEFAULT_IMPLS + ["sdpa-effmask", "sdpa-math"]
-IMPL_ORDER = ["flexgen", "sdpa-flash", "sdpa-cudnn", "flex", "sdpa-effmask", "sdpa-math"]
+DEFAULT_IMPLS = ["flexgen", "sdpa-flash", "sdpa-cudnn", "flex"]  # and fa4, when it imports
+DEFAULT_LONG_IMPLS = ["flexgen", "sdpa-flash", "flex", "sdpa-effmask"]  # likewise
+KNOWN_IMPLS = DEFAULT_IMPLS + ["fa4", "sdpa-effmask", "sdpa-math"]
+IMPL_ORDER = ["flexgen", "fa4", "sdpa-flash", "sdpa-cudnn", "flex", "sdpa-effmask", "sdpa-math"]
+# the peer whose whole output flexgen's is compared with: the first of these that ran
+PEER_PRIORITY = ("sdpa-flash", "sdpa-cudnn", "flex", "sdpa-effmask", "sdpa-math", "fa4")
 TOKENS = 16384
 HEADS = 16
 STICKY_ERRORS = (
@@ -71,6 +80,10 @@ EXIT_STICKY = 3
 
 class NotApplicable(Exception):
     """This implementation cannot express the variant (e.g. SDPA with a score_mod)."""
+
+
+class Unavailable(Exception):
+    """This implementation's package does not import here; the message says why."""
 
 
 def short(e: BaseException, n: int = 220) -> str:
@@ -87,8 +100,12 @@ def fmt_n(n: int) -> str:
 
 
 class Variant:
-    def __init__(self, name, score=None, mask=None, sdpa=None, note=""):
+    """score / mask: FlexAttention-style functions; params: the constants they capture (for peers,
+    such as fa4, that rebuild the variant in their own terms)."""
+
+    def __init__(self, name, score=None, mask=None, sdpa=None, note="", params=None):
         self.name, self.score, self.mask, self.sdpa, self.note = name, score, mask, sdpa, note
+        self.params = params or {}
 
 
 def document_ids(n: int, device, seed: int = 0):
@@ -123,33 +140,33 @@ def build_variant(name: str, n: int, heads: int, device) -> Variant:
         def sliding_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-        return Variant(name, mask=sliding_window, note=f"window {window}")
+        return Variant(name, mask=sliding_window, note=f"window {window}", params={"window": window})
     if name == "alibi-causal":
         def alibi(score, b, h, q_idx, kv_idx):
             return score + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
 
-        return Variant(name, score=alibi, mask=causal)
+        return Variant(name, score=alibi, mask=causal, params={"heads": heads})
     if name.startswith("softcap"):
         cap = float(name[len("softcap"):].split("-")[0] or 30)
 
         def softcap(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score / cap)
 
-        return Variant(name, score=softcap, mask=causal if name.endswith("-causal") else None)
+        return Variant(name, score=softcap, mask=causal if name.endswith("-causal") else None, params={"cap": cap})
     if name == "document-causal":
         doc = document_ids(n, device)
 
         def document_causal(b, h, q_idx, kv_idx):
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-        return Variant(name, mask=document_causal, note=f"{int(doc.max()) + 1} documents")
+        return Variant(name, mask=document_causal, note=f"{int(doc.max()) + 1} documents", params={"doc": doc})
     if name == "prefix-lm":
         prefix = n // 4
 
         def prefix_lm(b, h, q_idx, kv_idx):
             return (kv_idx < prefix) | (q_idx >= kv_idx)
 
-        return Variant(name, mask=prefix_lm, note=f"prefix {prefix}")
+        return Variant(name, mask=prefix_lm, note=f"prefix {prefix}", params={"prefix": prefix})
     raise KeyError(f"unknown variant {name!r}; known: {', '.join(DEFAULT_VARIANTS)}")
 
 
@@ -260,6 +277,11 @@ class Impl:
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
             return run
+        if base == "fa4":
+            fa4_import()  # first, so that a missing FA4 says so on any device
+            if dev.type != "cuda":
+                raise NotApplicable("fa4 runs on CUDA only")
+            return fa4_setup(self, variant, q, k, v)
         raise KeyError(f"unknown implementation {self.name!r}; known: {', '.join(KNOWN_IMPLS)}")
 
     def _timed_mask(self, build, dev):
@@ -294,6 +316,163 @@ def _compiled_flex():
                 setattr(cfg, name, 4096)
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
+
+
+# ====================================================================== FlashAttention-4
+#
+# FA4 (flash_attn.cute) takes (B, N, H, D) tensors. Each case copies the harness's (B, H, N, D)
+# inputs to that layout once, before any timed call, and hands FA4's output back as a (B, H, N, D)
+# view (no copy), so the checks and the backward's dout work unchanged. Its user functions are
+# CuTe-DSL functions: a score_mod gets (score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors) as
+# vectors (score already scaled by 1/sqrt(D)), a score_mod_bwd gets the incoming gradient first,
+# and a mask_mod gets (b, h, q_idx, kv_idx, seqlen_info, aux_tensors) as one-element vectors.
+
+cute = cutlass = fa4_utils = None  # CuTe-DSL modules, bound by fa4_import(); the functions below use them
+_FA4: dict = {}
+
+
+def fa4_import() -> dict:
+    """FA4's entry points, imported once per process; Unavailable("unavailable (reason)") otherwise."""
+    global cute, cutlass, fa4_utils
+    if "error" in _FA4:
+        raise Unavailable(_FA4["error"])
+    if "func" not in _FA4:
+        try:
+            import cutlass as cutlass_mod
+            import cutlass.cute as cute_mod
+            from flash_attn.cute import utils as utils_mod
+            from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+            from flash_attn.cute.interface import flash_attn_func
+        except Exception as e:  # a missing package, or one that fails on import
+            _FA4["error"] = f"unavailable ({short(e, 160)})"
+            raise Unavailable(_FA4["error"]) from e
+        cute, cutlass, fa4_utils = cute_mod, cutlass_mod, utils_mod
+        _FA4.update(func=flash_attn_func, sparse=BlockSparseTensorsTorch)
+    return _FA4
+
+
+def fa4_probe(timeout_s: float = 300.0) -> tuple[bool, str]:
+    """(True, versions) when FA4 imports in a fresh interpreter of this environment, else (False, reason).
+    Run by the driver, in a subprocess: a broken install must not take the driver down."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("flash_attn") is None:
+            return False, "flash_attn is not on sys.path"
+    except (ImportError, ValueError) as e:
+        return False, short(e)
+    code = ("import importlib.metadata as m, flash_attn.cute.interface\n"
+            "def v(d):\n"
+            "    try: return m.version(d)\n"
+            "    except m.PackageNotFoundError: return '(version unknown)'\n"
+            "print('flash-attn-4', v('flash-attn-4'), 'nvidia-cutlass-dsl', v('nvidia-cutlass-dsl'))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"import took over {timeout_s:.0f}s"
+    if r.returncode != 0:
+        lines = [line for line in (r.stderr or r.stdout).strip().splitlines() if line.strip()]
+        return False, (lines[-1] if lines else f"import exited {r.returncode}")[:200]
+    return True, r.stdout.strip()
+
+
+def fa4_alibi_mods(heads: int):
+    """score + 2^(-8(h+1)/H) * (kv - q), and its gradient with respect to the score (the identity)."""
+    neg_8_over_h = -8.0 / heads
+
+    @cute.jit
+    def fa4_alibi(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        exponent = (h_idx + cute.full_like(h_idx, 1)).to(cutlass.Float32) * cute.full_like(score, neg_8_over_h)
+        slope = cute.math.exp2(exponent)
+        return score + slope * (kv_idx - q_idx).to(cutlass.Float32)
+
+    @cute.jit
+    def fa4_alibi_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad
+
+    return fa4_alibi, fa4_alibi_bwd
+
+
+def fa4_document_causal_mask():
+    """Same document (ids in aux_tensors[0]) and causal."""
+
+    @cute.jit
+    def fa4_document_causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        doc = aux_tensors[0]
+        q_doc = fa4_utils.scalar_to_ssa(doc[q_idx[0]], cutlass.Int32)
+        kv_doc = fa4_utils.scalar_to_ssa(doc[kv_idx[0]], cutlass.Int32)
+        return (q_doc == kv_doc) & (q_idx >= kv_idx)
+
+    return fa4_document_causal
+
+
+def fa4_prefix_lm_mask(prefix: int):
+    """The first `prefix` keys visible to every query, causal otherwise."""
+
+    @cute.jit
+    def fa4_prefix_lm(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        prefix_len = fa4_utils.scalar_to_ssa(prefix, cutlass.Int32)
+        return (kv_idx < prefix_len) | (q_idx >= kv_idx)
+
+    return fa4_prefix_lm
+
+
+def fa4_options(impl: "Impl", variant: Variant, q, k) -> dict:
+    """flash_attn_func keyword arguments for a variant; NotApplicable for one FA4 is not set up for here."""
+    name, p = variant.name, variant.params
+    if name == "full":
+        return {}
+    if name == "causal":
+        return {"causal": True}
+    if name.startswith("sliding"):
+        # FA4's local window keeps q - window_size[0] <= kv <= q + window_size[1]
+        return {"causal": True, "window_size": (p["window"] - 1, 0)}
+    if name.startswith("softcap"):
+        return {"causal": variant.mask is not None, "softcap": float(p["cap"])}
+    if name == "alibi-causal":
+        score_mod, score_mod_bwd = fa4_alibi_mods(p["heads"])
+        return {"causal": True, "score_mod": score_mod, "score_mod_bwd": score_mod_bwd}
+    if name in ("document-causal", "prefix-lm"):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        n_q, n_kv, dev = q.shape[2], k.shape[2], q.device
+        # Which blocks to visit, as PyTorch's FLASH backend passes them: KV blocks per query block for
+        # the forward, query blocks per KV block for the backward; partial blocks run the mask_mod.
+        bm = impl._timed_mask(lambda: create_block_mask(variant.mask, None, None, n_q, n_kv, device=dev, BLOCK_SIZE=128), dev)
+        sparse = _FA4["sparse"]
+        fwd = sparse(mask_block_cnt=bm.kv_num_blocks, mask_block_idx=bm.kv_indices, full_block_cnt=bm.full_kv_num_blocks,
+                     full_block_idx=bm.full_kv_indices, block_size=tuple(bm.BLOCK_SIZE))
+        bwd = sparse(mask_block_cnt=bm.q_num_blocks, mask_block_idx=bm.q_indices, full_block_cnt=bm.full_q_num_blocks,
+                     full_block_idx=bm.full_q_indices, block_size=tuple(bm.BLOCK_SIZE))
+        opts = {"block_sparse_tensors": fwd, "block_sparse_tensors_bwd": bwd}
+        if name == "document-causal":
+            opts.update(mask_mod=fa4_document_causal_mask(), aux_tensors=[p["doc"].contiguous()])  # int32 ids
+        else:
+            opts.update(mask_mod=fa4_prefix_lm_mask(int(p["prefix"])))
+        return opts
+    raise NotApplicable(f"fa4 is not set up for {name}")
+
+
+def fa4_setup(impl: "Impl", variant: Variant, q, k, v):
+    """fn(q, k, v) -> (B, H, N, D) output of FA4 on copies of q, k, v made here, in FA4's layout.
+    When q requires grad (the harness's fwd+bwd timing), FA4 runs on leaf tensors of its own, whose
+    gradients are cleared before each call, so no layout copy or gradient accumulation is timed."""
+    func = fa4_import()["func"]
+    opts = fa4_options(impl, variant, q, k)
+    plain = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    leaves = [t.detach().requires_grad_(True) for t in plain]  # the same storage, as autograd leaves
+
+    def run(q_in, k_in, v_in):
+        args = plain
+        if q_in.requires_grad:
+            for t in leaves:
+                t.grad = None
+            args = leaves
+        out = func(*args, **opts)
+        out = out[0] if isinstance(out, tuple) else out  # flash_attn_func returns (out, lse)
+        return out.transpose(1, 2)
+
+    return run
 
 
 # ====================================================================== timing
@@ -438,20 +617,26 @@ def check_case(outputs: dict, q, k, v, variant, rows_count=256):
     for name, out in outputs.items():
         rep["nan"][name] = bool(torch.isnan(out).any())
         rep["row_err"][name] = float((out[:, :, rows].float() - ref).abs().max())
-    peers = [p for p in ("sdpa-flash", "sdpa-cudnn", "flex", "sdpa-effmask", "sdpa-math") if p in outputs]
+    peers = [p for p in PEER_PRIORITY if p in outputs]
     rep["peer"] = peers[0] if peers else None
-    rep["vs_peer"] = {}
+    rep["vs_peer"], rep["vs_fa4"] = {}, {}
     for name, out in outputs.items():
         if name.startswith("flexgen") and peers:
             rep["vs_peer"][name] = float((out.float() - outputs[peers[0]].float()).abs().max())
+        if name.startswith("flexgen") and "fa4" in outputs and rep["peer"] != "fa4":
+            rep["vs_fa4"][name] = float((out.float() - outputs["fa4"].float()).abs().max())
     peer_err = min((rep["row_err"][p] for p in peers), default=None)
     rep["peer_row_err"] = peer_err
     rep["verdict"] = {}
     for name in outputs:
-        if not name.startswith("flexgen"):
+        if name.startswith("flexgen"):
+            base_err = peer_err
+        elif name == "fa4":  # judged like flexgen, against the other peers
+            base_err = min((rep["row_err"][p] for p in peers if p != "fa4"), default=None)
+        else:
             continue
         err = rep["row_err"][name]
-        bad = rep["nan"][name] or not math.isfinite(err) or err > max(3e-2, 4 * (peer_err or 0.0))
+        bad = rep["nan"][name] or not math.isfinite(err) or err > max(3e-2, 4 * (base_err or 0.0))
         rep["verdict"][name] = "BAD" if bad else "ok"
     return rep
 
@@ -494,6 +679,9 @@ def run_case(case, args, ev: Events, dev):
             print(f"  {impl_name:<14} first call {first:6.2f}s{mb}", flush=True)
         except NotApplicable as e:
             ev.emit(event="result", **common, impl=impl_name, status="n/a", error=str(e))
+        except Unavailable as e:
+            print(f"  {impl_name:<14} {e}", flush=True)
+            ev.emit(event="result", **common, impl=impl_name, status="unavailable", error=str(e))
         except Exception as e:
             print(f"  {impl_name:<14} ERROR in setup/first call: {short(e)}", flush=True)
             traceback.print_exc(limit=4)
@@ -508,7 +696,8 @@ def run_case(case, args, ev: Events, dev):
         try:
             check = check_case(outputs, q, k, v, variant, rows_count=128 if long_mode else 256)
             parts = [f"{n} {check['row_err'][n]:.1e}" for n in outputs]
-            vs = "; ".join(f"{n} vs {check['peer']} max|diff| {d:.2e}" for n, d in check["vs_peer"].items())
+            vs = "; ".join([f"{n} vs {check['peer']} max|diff| {d:.2e}" for n, d in check["vs_peer"].items()]
+                           + [f"{n} vs fa4 max|diff| {d:.2e}" for n, d in check["vs_fa4"].items()])
             verdict = " ".join(f"{n}:{vv}" for n, vv in check["verdict"].items())
             print(f"  check: max err vs fp32 rows: {', '.join(parts)}" + (f"; {vs}" if vs else "") + (f"  [{verdict}]" if verdict else ""), flush=True)
             ev.emit(event="check", id=cid, **check)
@@ -675,7 +864,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", help=f"comma list (default: {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--dims", help="comma list of head dims (default 128,64)")
     p.add_argument("--seqlens", help="comma list of N (default 2048,8192,16384); B = 16384 // N (at least 1)")
-    p.add_argument("--impls", help=f"comma list (default: {','.join(DEFAULT_IMPLS)}; also: sdpa-effmask, sdpa-math)")
+    p.add_argument("--impls", help=f"comma list (default: {','.join(DEFAULT_IMPLS)}, and fa4 when it imports; also: fa4, sdpa-effmask, sdpa-math)")
     p.add_argument("--heads", type=int, default=HEADS)
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch: B = tokens // N")
     p.add_argument("--fwd-only", action="store_true")
@@ -685,7 +874,7 @@ def parse_args(argv=None):
     p.add_argument("--no-default-flexgen", action="store_true", help="with --kernel-options: drop the default-config flexgen run")
     p.add_argument("--long", action="store_true", help="also run 64k tokens of one sequence, causal (flexgen, and the dense-mask paths for contrast)")
     p.add_argument("--long-seqlen", type=int, default=65536)
-    p.add_argument("--long-impls", default="flexgen,sdpa-flash,flex,sdpa-effmask")
+    p.add_argument("--long-impls", help=f"comma list (default: {','.join(DEFAULT_LONG_IMPLS)}, and fa4 when it imports)")
     p.add_argument("--skip-sweep", action="store_true", help="run only --long")
     p.add_argument("--warmup", type=float, default=None, help="do_bench warm-up, ms (default 25; 10 with --quick)")
     p.add_argument("--rep", type=float, default=None, help="do_bench repetition time, ms (default 100; 40 with --quick)")
@@ -736,7 +925,7 @@ def plan_work(args):
                                  "B": max(1, args.tokens // N), "H": args.heads, "impls": list(impls), "kernel_options": configs})
     if args.long:
         N = args.long_seqlen
-        long_impls = _csv(args.long_impls, ["flexgen"])
+        long_impls = _csv(args.long_impls, DEFAULT_LONG_IMPLS)
         long_impls += [n for n in configs if n not in long_impls]
         work.append({"id": f"long/D128/causal/N{fmt_n(N)}", "D": 128, "variant": "causal", "N": N, "B": 1,
                      "H": args.heads, "impls": long_impls, "kernel_options": configs, "long": True})
@@ -756,14 +945,28 @@ def read_events(path):
     return out
 
 
+def add_fa4_to_defaults(args, meta):
+    """FA4 joins the default implementation lists when it imports here; an explicit --impls or
+    --long-impls is left as given (fa4 named there and missing is recorded as unavailable)."""
+    if args.cpu or (args.impls and (args.long_impls or not args.long)):
+        return
+    ok, text = fa4_probe()
+    meta["fa4"] = text if ok else f"not importable: {text}"
+    print(f"fa4: {text}" if ok else f"fa4: not importable ({text}); left out of the default implementations", flush=True)
+    if ok:
+        args.impls = args.impls or ",".join(DEFAULT_IMPLS + ["fa4"])
+        args.long_impls = args.long_impls or ",".join(DEFAULT_LONG_IMPLS + ["fa4"])
+
+
 def driver_main(args):
     t_start = time.time()
+    meta = environment_meta(args)
+    add_fa4_to_defaults(args, meta)
     work, impls = plan_work(args)
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="flexgen-bench-")
     events_file = os.path.join(tmp, "events.jsonl")
     deadline = t_start + args.time_budget if args.time_budget else 0.0
-    meta = environment_meta(args)
     print("flexgen benchmark: " + json.dumps(meta), flush=True)
     print(f"{len(work)} (variant, shape) cases; implementations: {', '.join(impls)}", flush=True)
 
@@ -894,6 +1097,8 @@ def _cell(rec, key):
     st = rec.get("status")
     if st == "n/a":
         return "n/a"
+    if st == "unavailable":
+        return "unavail"
     if st == "skipped":
         return "skip"
     if st == "error":
@@ -926,7 +1131,7 @@ def tflops_table(records, fwd_only):
         for var in variants:
             for impl in impls:
                 recs = [by.get((D, var, impl, n)) for n in seqlens]
-                if all(r is None or r.get("status") == "n/a" for r in recs):
+                if all(r is None or r.get("status") in ("n/a", "unavailable") for r in recs):
                     continue
                 cells = [_cell(r, "fwd_tflops") for r in recs]
                 if not fwd_only:
@@ -958,6 +1163,13 @@ def ratio_lines(records, fwd_only):
                 if fb and pb:
                     bf, bp = max(fb, key=lambda r: r["bwd_tflops"]), max(pb, key=lambda r: r["bwd_tflops"])
                     txt += f" | bwd {bf['bwd_tflops'] / bp['bwd_tflops']:.2f}x {bp['impl']}"
+            fa4 = next((r for r in peers if r["impl"] == "fa4"), None)
+            if fa4 is not None and pf is not fa4 and fa4.get("fwd_tflops"):  # the issue's reference peer
+                txt += f" (vs fa4 {best_f['fwd_tflops'] / fa4['fwd_tflops']:.2f}x"
+                fb4 = [r for r in fl if r.get("bwd_tflops")]
+                if fb4 and fa4.get("bwd_tflops"):
+                    txt += f", bwd {max(r['bwd_tflops'] for r in fb4) / fa4['bwd_tflops']:.2f}x"
+                txt += ")"
             parts.append(txt)
         if parts:
             out.append(f"D{D} {var}: " + "; ".join(parts))
@@ -967,13 +1179,15 @@ def ratio_lines(records, fwd_only):
 def check_lines(checks):
     out = []
     for cid, c in checks.items():
-        fl = {n: e for n, e in c.get("row_err", {}).items() if n.startswith("flexgen")}
-        if not fl:
+        judged = {n: e for n, e in c.get("row_err", {}).items() if n in c.get("verdict", {})}
+        if not judged:
             continue
         parts = []
-        for n, e in fl.items():
+        for n, e in judged.items():
             vs = c.get("vs_peer", {}).get(n)
-            parts.append(f"{n} rows {e:.1e}" + (f", vs {c['peer']} {vs:.1e}" if vs is not None else "") + f" [{c['verdict'].get(n, '?')}]")
+            vs_fa4 = c.get("vs_fa4", {}).get(n)
+            parts.append(f"{n} rows {e:.1e}" + (f", vs {c['peer']} {vs:.1e}" if vs is not None else "")
+                         + (f", vs fa4 {vs_fa4:.1e}" if vs_fa4 is not None else "") + f" [{c['verdict'][n]}]")
         peer = c.get("peer_row_err")
         out.append(f"{cid}: " + "; ".join(parts) + (f" (best peer rows {peer:.1e})" if peer is not None else ""))
     return out
@@ -1009,7 +1223,7 @@ def long_lines(records):
 def error_lines(records):
     out = []
     for r in records:
-        if r.get("status") == "error":
+        if r.get("status") in ("error", "unavailable"):
             out.append(f"{r['id']} {r['impl']}: {r.get('error', '')}")
         elif r.get("bwd_error"):
             out.append(f"{r['id']} {r['impl']} (bwd): {r['bwd_error']}")

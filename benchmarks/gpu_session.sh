@@ -16,8 +16,13 @@
 # tests get at most TEST_TIMEOUT seconds (default 240), the benchmark the rest (it stops
 # starting new cases in time to print its table).
 #
+# FlashAttention-4: when benchmarks/fa4_setup.sh has installed it on this machine (its env.sh,
+# default /tmp/fa4/env.sh, exists), the session sources that file, so the benchmark finds FA4 and
+# adds it to its default implementations (bench_attention.py does so only when FA4 imports).
+#
 # Environment knobs: SESSION_BUDGET, TEST_TIMEOUT, PER_TEST_TIMEOUT (default 120),
-# SKIP_TESTS=1, SKIP_BENCH=1, PYTEST_ARGS (extra pytest arguments), FLEXGEN_CACHE_DIR.
+# SKIP_TESTS=1, SKIP_BENCH=1, PYTEST_ARGS (extra pytest arguments), FLEXGEN_CACHE_DIR,
+# FA4_ENV (default /tmp/fa4/env.sh).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
@@ -36,6 +41,13 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
         || echo "!! wheel install failed; going on with the image's packages"
+fi
+# FlashAttention-4 installed by benchmarks/fa4_setup.sh, if it was.
+FA4_ENV=${FA4_ENV:-/tmp/fa4/env.sh}
+if [ -f "$FA4_ENV" ]; then
+    echo "== FlashAttention-4 environment: $FA4_ENV"
+    # shellcheck disable=SC1090
+    . "$FA4_ENV"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 # A kernel cache carried with the tree, if there is one.
@@ -62,6 +74,11 @@ try:
     print("nvrtc", nvrtc.getVersion())
 except Exception as e:
     print(f"nvrtc: not available ({e})")
+try:  # versions only: the benchmark itself checks that FA4 imports before adding it
+    import importlib.metadata as md
+    print(f"FA4: flash-attn-4 {md.version('flash-attn-4')}, nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}")
+except Exception as e:
+    print(f"FA4: not installed ({type(e).__name__}: {e}); the benchmark runs without it")
 import flexgen
 print(f"flexgen {flexgen.__version__} from {flexgen.__file__}")
 EOF
