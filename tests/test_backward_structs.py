@@ -225,7 +225,7 @@ def test_tile_overrides_and_warp_layouts():
 
 @pytest.mark.parametrize("options", [{"BLOCK_M1": 48}, {"BLOCK_N1": 8}, {"num_warps1": 3}, {"BLOCK_M1": "x"}])
 def test_bad_backward_tile_options_are_clear_errors(options):
-    from flexgen.attention import bwd_tile_overrides
+    from flexgen.runtime.plan import bwd_tile_overrides
 
     with pytest.raises(ValueError, match="allowed values"):
         bwd_tile_overrides(options)

@@ -1,4 +1,4 @@
-"""attention.make_spec, the per-call spec of flex_attention: memoized on what it reads, so a model's steps reuse
+"""runtime.plan.make_spec, the per-call spec of flex_attention: memoized on what it reads, so a model's steps reuse
 one spec object (and its cached hash in the kernel cache); refusals still raise every time."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import flexgen.arch
 from flexgen import variants as V
-from flexgen.attention import make_spec
+from flexgen.runtime.plan import make_spec
 
 
 @pytest.fixture

@@ -43,9 +43,10 @@ import functools
 import torch
 
 from ..arch import resolve_backward_family
-from ..attention import mod_arguments
 from ..codegen.configs import choose_config
 from ..codegen.spec import HEAD_DIMS, KernelSpec
+from .plan import bwd_tile_overrides, make_spec
+from .arguments import kernel_ready, mod_arguments
 from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, _sm_count, set_dropout, threads_per_cta
 
 _ptr = ctypes.c_void_p
@@ -296,8 +297,7 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
 
 def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
               grad_buffers, dropout_p, philox):
-    from ..attention import _kernel_ready, bwd_tile_overrides, make_spec
-    from ..cache import get_kernel
+    from ..cache.jit import get_kernel
     from ..codegen.cstruct import pack_mod_args
     from ..codegen.lower import lower_mods
 
@@ -305,8 +305,8 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     options = dict(kernel_options or {})
     deterministic = bool(options.get("deterministic", False))
 
-    q, k, v = _kernel_ready(query), _kernel_ready(key), _kernel_ready(value)
-    o, do = _kernel_ready(out), _kernel_ready(grad_out.to(query.dtype))
+    q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
+    o, do = kernel_ready(out), kernel_ready(grad_out.to(query.dtype))
     lse = lse.contiguous()
     batch, heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
