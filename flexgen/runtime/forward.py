@@ -1,4 +1,5 @@
-"""Launch of the generated forward kernel: pack FwdParams, pick the grid, go.
+"""The forward pass: plan the kernel, pack FwdParams, launch on torch's current stream (the grid, the
+threads and the schedule are the family's, the shared memory the compiled kernel's).
 
 `FwdParams` below mirrors the struct of the same name in templates/sm80/fwd.cu.j2
 field for field; tests compare its size with the kernel's parameter size in the PTX.
@@ -13,9 +14,10 @@ import torch
 from ..blockmask import BlockMask
 from ..codegen.spec import KernelSpec
 from ..dsl.mod import Mod
+from . import families
 from .arguments import kernel_ready, mod_arguments
+from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
-from .schedule import head_chunk, l2_bytes, query_tile_order, tile_counter
 
 _ptr = ctypes.c_void_p
 _i64 = ctypes.c_longlong
@@ -62,38 +64,6 @@ def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
     p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def shared_memory_bytes(spec: KernelSpec) -> int:
-    if spec.option("family") == "sm90":
-        return sm90_shared_memory_bytes(spec)
-    stages = 2 if spec.num_stages >= 2 else 1  # K and V buffers each
-    tiles = (spec.block_m + 2 * stages * spec.block_n) * (spec.head_dim + 8) * 2
-    threads = 32 * spec.num_warps
-    words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)  # one bit per element of S (fwd.cu.j2: MASK_FIRST)
-    return tiles + 4 * threads * words_per_thread
-
-
-def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
-    """Mirror of templates/sm90/fwd.cu.j2's SMEM_BYTES: 1024 bytes to align the base to a 128-byte
-    swizzle atom, Q (block_m x D), two stages of K and V (block_n x D each), one mask bit per
-    element of S per consumer thread, 256 bytes of pipeline (barriers, drawn work tiles), O's staging tile."""
-    stages = 2 if spec.num_stages >= 2 else 1
-    tiles = (spec.block_m + 2 * stages * spec.block_n) * spec.head_dim * 2
-    threads = 32 * spec.num_warps  # consumer threads: only they keep mask bits
-    words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)
-    o_stage = spec.block_m * (spec.head_dim * 2 + 16)  # O's staging tile, rows padded by 16 bytes
-    return 1024 + tiles + 4 * threads * words_per_thread + 256 + o_stage  # + the pipeline: barriers, drawn tiles
-
-
-def threads_per_cta(spec: KernelSpec) -> int:
-    """The sm90 kernels (forward and backward) run a producer warpgroup beside their num_warps consumer warps."""
-    return 32 * spec.num_warps + (128 if spec.option("family") == "sm90" else 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
     """Strides of a (B or 1, H or 1, nQ, ...) block-mask tensor; size-1 dims broadcast (stride 0)."""
     if t is None:
@@ -133,23 +103,10 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     p.batch = batch
-    q_tiles = -(-q_len // spec.block_m)
     stream = torch.cuda.current_stream(q.device)
-    if spec.option("family") == "sm90":
-        # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh:
-        # the grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
-        # kernel_options={"persistent": False} launches one CTA per work tile.
-        work = q_tiles * heads * batch
-        if block_mask is not None:
-            p.m_order = query_tile_order(block_mask, spec.block_m).data_ptr()
-        p.head_chunk = head_chunk(batch * heads, kv_len, q.shape[-1], q.element_size(), heads // kv_heads,
-                                  l2_bytes(q.device))
-        p.tile_counter = tile_counter(stream).data_ptr()
-        grid = (min(work, _sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
-    else:
-        grid = (q_tiles, heads, batch)
-    block = (threads_per_cta(spec), 1, 1)
-    kernel.launch(grid, block, shared_memory_bytes(spec), stream.cuda_stream, p)
+    family = families.of(spec)
+    grid = family.forward_grid(spec, p, q, k, block_mask, stream)
+    kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream.cuda_stream, p)
 
 
 def check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
@@ -187,7 +144,8 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     from ..dropout import check_dropout
 
     dropout_p, philox = check_dropout(dropout_p, philox)
-    spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0)
+    spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
+                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
     if bm is not None:
         check_block_mask(bm, query, key, spec)
     kernel = get_kernel(spec)
