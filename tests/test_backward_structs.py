@@ -18,6 +18,7 @@ from flexgen.cache.ptxas import has_spills
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from flexgen.codegen.spec import HEAD_DIMS
 from flexgen.runtime import backward as bw, bwd_tiles, families
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
@@ -77,7 +78,7 @@ def test_bwd_struct_size_and_no_spills(name, arch, head_dim):
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
-    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert ctypes.alignment(params) == 8
 
@@ -102,7 +103,7 @@ def test_bwd_small_mask_blocks_and_deterministic(mask_block):
         assert mask_block[0] % spec.block_m == 0 and mask_block[1] % spec.block_n == 0
         kernel = jit.get_kernel(spec)
         assert not has_spills(kernel.resources), f"{mask_block} det={det}: {kernel.resources}"
-        params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+        params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
         assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
 
 
@@ -116,7 +117,7 @@ def test_deterministic_buffer_grads_compile_without_spills(name, arch, head_dim)
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch, deterministic=True)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"deterministic {name} D={head_dim} on {arch} spills: {kernel.resources}"
-    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     src = kernel.source
     for text in ("long long shift;", "atomicAdd(addr + shift, sum);", "__syncwarp();",
@@ -160,7 +161,7 @@ def test_pre_post_struct_sizes(kind, head_dim):
     assert (spec.family, spec.block_m, spec.num_warps) == ("sm80", 64, 4)
     kernel = jit.get_kernel(spec)
     mod_args = type(pack_mod_args(lower_mods(spec), {}, {}))
-    params = bw.pre_params_type(mod_args) if kind == "bwd_preprocess" else bw.post_params_type(mod_args)
+    params = (BWD_PRE_PARAMS if kind == "bwd_preprocess" else BWD_POST_PARAMS).ctypes_type(mod_args)
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert not has_spills(kernel.resources)
 
@@ -203,7 +204,7 @@ def test_bwd_dropout_struct_size_and_no_spills(name, head_dim, arch):
     kernel = jit.get_kernel(spec)
     assert "dropout_keep_bits" in kernel.source
     assert not has_spills(kernel.resources), f"dropout {name} D={head_dim} on {arch} spills: {kernel.resources}"
-    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads), True)
+    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads), True)
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert _fits(spec, kernel)
 

@@ -20,8 +20,8 @@ from flexgen.cache import jit
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.params import BWD_PARAMS
 from flexgen.runtime import families
-from flexgen.runtime.backward import bwd_params_type
 from flexgen.runtime.families import Call, choose
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
 from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
@@ -57,7 +57,7 @@ def test_compiles_and_matches_host_layouts(name, D):
     params = {**(mask.params if mask else {}), **(score.params if score else {})}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
     p = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{spec.entry_name}_param_0\[(\d+)\]", kernel.ptx)
-    assert p and int(p.group(1)) == ctypes.sizeof(bwd_params_type(type(mod_args)))
+    assert p and int(p.group(1)) == ctypes.sizeof(BWD_PARAMS.ctypes_type(type(mod_args)))
 
 
 @needs_nvrtc

@@ -21,9 +21,9 @@ from flexgen.cache.ptxas import has_spills
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.params import FWD_PARAMS
 from flexgen.codegen.render import render
 from flexgen.runtime.families import Call, choose
-from flexgen.runtime.forward import fwd_params_type
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
 from flexgen.runtime.plan import plan
 from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
@@ -49,8 +49,7 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     assert kernel.cubin[:4] == b"\x7fELF"
     assert "sm90 family" in kernel.source
     # A few bytes spill where buffer reads keep pointers across the KV loop (NVRTC 13.5: document at
-    # D=128 16 B, relative_bias at D=64 144 B since the drawn-tile ring, reloaded once per KV tile); more
-    # is a regression.
+    # D=128 16 B, relative_bias at D=64 144 B, reloaded once per KV tile); more is a regression.
     assert kernel.resources.get("spill_stores_bytes", 0) <= 160, f"{name} D={D} spills: {kernel.resources}"
     # Both products are wgmma: S = QK^T as m64n{BLOCK_N}k16 (A, B from shared memory), O += PV as m64n{D}k16.
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", kernel.ptx)
@@ -63,7 +62,7 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     params = {**(mask.params if mask else {}), **(score.params if score else {})}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
     p = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{spec.entry_name}_param_0\[(\d+)\]", kernel.ptx)
-    assert p and int(p.group(1)) == ctypes.sizeof(fwd_params_type(type(mod_args)))
+    assert p and int(p.group(1)) == ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args)))
 
 
 @needs_nvrtc
@@ -190,8 +189,7 @@ def test_sm90_refuses_what_it_does_not_cover():
 def test_sm90_persistent_many_tiles_per_cta(name):
     """With a block mask the sm90 grid is persistent: at 4 x 8 heads x 17 query tiles (544 work tiles)
     every CTA of an H200 (132 SMs) walks about four, carrying its pipeline's stages and phases from
-    one to the next. (Written after the session's last GPU run: the bench's output checks covered
-    this path then, at N=8k.)"""
+    one to the next."""
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(4, 8, 2049, 2049), 128, torch.bfloat16, kernel_options=SM90)

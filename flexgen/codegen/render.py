@@ -5,7 +5,7 @@ user folder from FLEXGEN_TEMPLATE_DIR or `template_dir=`, then the packaged
 flexgen/templates) and renders it with:
   spec  the KernelSpec
   mods  the LoweredMods (mods.mod_args_decl, mods.score_mod_fn, mods.mask_mod_fn, ...)
-  cfg   derived constants (see `derived_constants`)
+  cfg   derived constants (see `derived_constants`), and the parameter structs (cfg.params)
 and the global `include_raw(path)`, which pastes a file of the search path verbatim.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jinja2
 
 from ..cache import paths
 from .lower import LoweredMods, lower_mods
+from .params import PARAM_STRUCTS
 
 
 class TemplateNotFoundError(LookupError):
@@ -94,6 +95,7 @@ def derived_constants(spec) -> dict:
         "has_score_mod": spec.score_expr is not None,
         "has_mask_mod": spec.mask_expr is not None,
         "options": dict(spec.extra),
+        "params": PARAM_STRUCTS,  # the parameter structs' C declarations (codegen/params.py)
     }
 
 

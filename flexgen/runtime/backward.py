@@ -8,10 +8,9 @@
 
 The planner (plan.py) picks the main kernel's family and tile; every family's main kernel takes
 BwdParams, and its grid and threads come from the family (families.py). The pre- and
-postprocess kernels are the sm80 family's. The ctypes mirrors of BwdParams
-(templates/common/bwd_params.j2), BwdPreParams and BwdPostParams
-(templates/sm80/bwd_{pre,post}process.cu.j2) are below, field for field (ModArgs last);
-tests compare them with the kernels' parameters in the PTX.
+postprocess kernels are the sm80 family's. Their parameter structs (BwdParams, BwdPreParams,
+BwdPostParams) are declared once, in codegen/params.py: the templates paste their C text, this
+module fills their ctypes types.
 
 Deterministic mode (kernel_options={"deterministic": True}): the main kernel runs `splits`
 CTAs per (batch, KV head); CTA x takes KV tiles x, x + splits, ... in order and owns dQ
@@ -33,78 +32,15 @@ would, the call is refused.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
+from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments
-from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, set_dropout
+from .forward import LOG2E, _bh_strides, set_dropout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .schedule import sm_count
-
-_ptr = ctypes.c_void_p
-_i64 = ctypes.c_longlong
-_i32 = ctypes.c_int
-_f32 = ctypes.c_float
-
-
-def _strides3(prefix: str) -> list[tuple[str, type]]:
-    return [(f"{prefix}_stride_b", _i64), (f"{prefix}_stride_h", _i64), (f"{prefix}_stride_l", _i64)]
-
-
-_BWD_FIELDS = (
-    [("q", _ptr), ("k", _ptr), ("v", _ptr), ("dout", _ptr), ("lse", _ptr), ("delta", _ptr),
-     ("dq_accum", _ptr), ("dk", _ptr), ("dv", _ptr)]
-    + _strides3("q") + _strides3("k") + _strides3("v") + _strides3("do") + _strides3("dk") + _strides3("dv")
-    + [("dq_split_stride", _i64), ("grad_slot_stride", _i64),
-       ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
-       ("scale", _f32), ("scale_log2", _f32),
-       ("q_num_blocks", _ptr), ("q_indices", _ptr), ("full_q_num_blocks", _ptr), ("full_q_indices", _ptr),
-       ("qn_stride_b", _i64), ("qn_stride_h", _i64), ("qn_stride_kv", _i64),
-       ("qi_stride_b", _i64), ("qi_stride_h", _i64), ("qi_stride_kv", _i64),
-       ("fqn_stride_b", _i64), ("fqn_stride_h", _i64), ("fqn_stride_kv", _i64),
-       ("fqi_stride_b", _i64), ("fqi_stride_h", _i64), ("fqi_stride_kv", _i64),
-       ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32), ("num_kv_tiles", _i32),
-       ("persistent", _i32), ("batch", _i32), ("kv_heads", _i32)]
-)
-
-_PRE_FIELDS = (
-    [("o", _ptr), ("dout", _ptr), ("delta", _ptr), ("dq_accum", _ptr)]
-    + _strides3("o") + _strides3("do")
-    + [("dq_split_stride", _i64), ("q_len", _i32), ("num_heads", _i32), ("num_splits", _i32)]
-)
-
-_POST_FIELDS = (
-    [("dq_accum", _ptr), ("dq", _ptr)]
-    + _strides3("dq")
-    + [("dq_split_stride", _i64), ("q_len", _i32), ("num_heads", _i32), ("num_splits", _i32), ("scale", _f32)]
-)
-
-
-def _struct(name: str, fields: list, mod_args_type: type) -> type:
-    return type(name, (ctypes.Structure,), {"_fields_": fields + [("mod", mod_args_type)]})
-
-
-@functools.lru_cache(maxsize=None)
-def bwd_params_type(mod_args_type: type, dropout: bool = False) -> type:
-    """The ctypes mirror of BwdParams (templates/sm80/bwd.cu.j2) for one ModArgs layout."""
-    return _struct("BwdParams", _BWD_FIELDS + (DROPOUT_FIELDS if dropout else []), mod_args_type)
-
-
-@functools.lru_cache(maxsize=None)
-def pre_params_type(mod_args_type: type) -> type:
-    """The ctypes mirror of BwdPreParams (templates/sm80/bwd_preprocess.cu.j2)."""
-    return _struct("BwdPreParams", _PRE_FIELDS, mod_args_type)
-
-
-@functools.lru_cache(maxsize=None)
-def post_params_type(mod_args_type: type) -> type:
-    """The ctypes mirror of BwdPostParams (templates/sm80/bwd_postprocess.cu.j2)."""
-    return _struct("BwdPostParams", _POST_FIELDS, mod_args_type)
-
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
     """Deterministic mode: KV-tile CTAs per (batch, KV head), about two waves of the GPU."""
@@ -234,7 +170,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     # 1. delta, and a zeroed dQ accumulator
     pre_kernel = get_kernel(pre_spec)
     empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
-    pre = pre_params_type(type(empty_args))()
+    pre = BWD_PRE_PARAMS.ctypes_type(type(empty_args))()
     pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
     pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
     pre.o_stride_b, pre.o_stride_h, pre.o_stride_l = o.stride(0), o.stride(1), o.stride(2)
@@ -254,7 +190,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
     kernel = get_kernel(spec)
-    p = bwd_params_type(type(mod_args), spec.dropout)()
+    p = BWD_PARAMS.ctypes_type(type(mod_args), spec.dropout)()
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
@@ -291,7 +227,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if want_dq:
         dq = torch.empty(batch, heads, q_len, d, dtype=q.dtype, device=device)
         post_kernel = get_kernel(post_spec)
-        post = post_params_type(type(empty_args))()
+        post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
         post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
         post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = dq.stride(0), dq.stride(1), dq.stride(2)
         post.dq_split_stride = split_stride

@@ -99,7 +99,7 @@ class SM80(Family):
                  (256, (64, 64, 8, 2)))
     # Kernels that hold extra state next to the tile (dropout's Philox state, the backward's buffer-gradient
     # addresses and sums): where the default sits at the register limit, a smaller tile, so that they compile
-    # without spills. Head dims past its rows take the rows above.
+    # without spills. Head dims past their rows take FWD's and BWD's.
     FWD_LEAN: Rows = ((64, (128, 64, 4, 2)),
                       (128, (128, 64, 8, 2)))  # one 16-row MMA tile per warp
     BWD_LEAN: Rows = ((32, (64, 128, 8, 2)),  # (64 x 64 at D=32 makes ptxas stop at 128 registers and spill)

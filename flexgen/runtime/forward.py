@@ -1,17 +1,15 @@
 """The forward pass: plan the kernel, pack FwdParams, launch on torch's current stream (the grid, the
 threads and the schedule are the family's, the shared memory the compiled kernel's).
 
-`FwdParams` below mirrors the struct of the same name in templates/sm80/fwd.cu.j2
-field for field; tests compare its size with the kernel's parameter size in the PTX.
+FwdParams is declared once, in codegen/params.py: the templates paste its C text, this module
+fills its ctypes type.
 """
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 
 from ..blockmask import BlockMask
+from ..codegen.params import FWD_PARAMS
 from ..codegen.spec import KernelSpec
 from ..dsl.mod import Mod
 from . import families
@@ -19,45 +17,11 @@ from .arguments import kernel_ready, mod_arguments
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 
-_ptr = ctypes.c_void_p
-_i64 = ctypes.c_longlong
-_i32 = ctypes.c_int
-_f32 = ctypes.c_float
-
-_FWD_FIELDS = [
-    ("q", _ptr), ("k", _ptr), ("v", _ptr), ("o", _ptr), ("lse", _ptr),
-    ("q_stride_b", _i64), ("q_stride_h", _i64), ("q_stride_l", _i64),
-    ("k_stride_b", _i64), ("k_stride_h", _i64), ("k_stride_l", _i64),
-    ("v_stride_b", _i64), ("v_stride_h", _i64), ("v_stride_l", _i64),
-    ("o_stride_b", _i64), ("o_stride_h", _i64), ("o_stride_l", _i64),
-    ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
-    ("scale", _f32), ("scale_log2", _f32),
-    ("kv_num_blocks", _ptr), ("kv_indices", _ptr), ("full_kv_num_blocks", _ptr), ("full_kv_indices", _ptr),
-    ("kvn_stride_b", _i64), ("kvn_stride_h", _i64), ("kvn_stride_q", _i64),
-    ("kvi_stride_b", _i64), ("kvi_stride_h", _i64), ("kvi_stride_q", _i64),
-    ("fkvn_stride_b", _i64), ("fkvn_stride_h", _i64), ("fkvn_stride_q", _i64),
-    ("fkvi_stride_b", _i64), ("fkvi_stride_h", _i64), ("fkvi_stride_q", _i64),
-    ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32),
-    ("batch", _i32), ("head_chunk", _i32), ("m_order", _ptr), ("tile_counter", _ptr),
-]
-# Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
-DROPOUT_FIELDS = [
-    ("philox_seed", ctypes.c_ulonglong), ("philox_offset", ctypes.c_ulonglong),
-    ("dropout_p", _f32), ("dropout_threshold", ctypes.c_uint), ("dropout_scale", _f32),
-]
-
 LOG2E = 1.4426950408889634
 
 
-@functools.lru_cache(maxsize=None)
-def fwd_params_type(mod_args_type: type, dropout: bool = False) -> type:
-    """The ctypes mirror of FwdParams for one ModArgs layout (and the dropout fields, if built with them)."""
-    fields = _FWD_FIELDS + (DROPOUT_FIELDS if dropout else [])
-    return type("FwdParams", (ctypes.Structure,), {"_fields_": fields + [("mod", mod_args_type)]})
-
-
 def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
-    """Fill the dropout fields of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
+    """Fill the dropout members of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
     from ..dropout import dropout_threshold
 
     p.philox_seed, p.philox_offset = philox
@@ -79,8 +43,7 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     dropout_p > 0 needs a spec built with dropout."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    params_type = fwd_params_type(type(mod_args), spec.dropout)
-    p = params_type()
+    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout)()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
     p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
