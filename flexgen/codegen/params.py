@@ -37,6 +37,17 @@ def _strides(prefix: str, last: str = "l", comment: str = "") -> Line:
 Entry = Line | str
 
 
+def _mask_lists(lists: str, by: str, about: tuple[str, ...]) -> tuple[Entry, ...]:
+    """A block mask's count and index tensors (`lists`: "kv" for the forward's KV-block lists, "q" for
+    the backward's transposed ones) and their strides over b, h and `by`, the blocks they are listed for."""
+    return (*about,
+            _line("const int*", f"{lists}_num_blocks"),
+            _line("const int*", f"{lists}_indices"),
+            _line("const int*", f"full_{lists}_num_blocks", comment="may be null"),
+            _line("const int*", f"full_{lists}_indices"),
+            *(_strides(prefix, by) for prefix in (f"{lists}n", f"{lists}i", f"f{lists}n", f"f{lists}i")))
+
+
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: ctypes_type's cache key stays cheap
 class ParamStruct:
     name: str
@@ -83,24 +94,21 @@ DROPOUT: tuple[Entry, ...] = (
     _line("float", "dropout_scale", comment="1 / (1 - dropout_p)"),
 )
 
+# The inputs (pointers each: one declaration per line) and the score scale, in both main kernels.
+_QKV = (_line("const half_bits*", "q"), _line("const half_bits*", "k"), _line("const half_bits*", "v"))
+_SCALES = (_line("float", "scale", comment="applied to q.k before score_mod"),
+           _line("float", "scale_log2", comment="scale * log2(e), used when there is no score_mod"))
+
 # The forward kernels' parameter (both families).
 FWD_PARAMS = ParamStruct("FwdParams", (
-    _line("const half_bits*", "q"),
-    _line("const half_bits*", "k"),
-    _line("const half_bits*", "v"),
+    *_QKV,
     _line("half_bits*", "o"),
     _line("float*", "lse", comment="(B, H, q_len), natural log"),
     _strides("q"), _strides("k"), _strides("v"), _strides("o"),
     _line("int", "q_len", "kv_len", "num_heads", "kv_group", comment="kv_group = query heads per KV head (GQA)"),
-    _line("float", "scale", comment="applied to q.k before score_mod"),
-    _line("float", "scale_log2", comment="scale * log2(e), used when there is no score_mod"),
-    "Block mask in PyTorch's layout: per (b, h, q block) a count and a list of KV blocks,",
-    "\"partial\" ones (mask_mod applies) and \"full\" ones (it does not). A zero stride broadcasts.",
-    _line("const int*", "kv_num_blocks"),
-    _line("const int*", "kv_indices"),
-    _line("const int*", "full_kv_num_blocks", comment="may be null"),
-    _line("const int*", "full_kv_indices"),
-    _strides("kvn", "q"), _strides("kvi", "q"), _strides("fkvn", "q"), _strides("fkvi", "q"),
+    *_SCALES,
+    *_mask_lists("kv", "q", ("Block mask in PyTorch's layout: per (b, h, q block) a count and a list of KV blocks,",
+                             "\"partial\" ones (mask_mod applies) and \"full\" ones (it does not). A zero stride broadcasts.")),
     _line("int", "has_block_mask", comment="0: every KV tile is visited, as a full tile"),
     _line("int", "mask_q_block", "mask_kv_block", comment="block-mask granularity in tokens"),
     _line("int", "batch", comment="B (the sm90 forward walks B x H x query tiles, sm90/work_order.cuh)"),
@@ -111,9 +119,7 @@ FWD_PARAMS = ParamStruct("FwdParams", (
 
 # The main backward kernel's parameter (both families).
 BWD_PARAMS = ParamStruct("BwdParams", (
-    _line("const half_bits*", "q"),
-    _line("const half_bits*", "k"),
-    _line("const half_bits*", "v"),
+    *_QKV,
     _line("const half_bits*", "dout", comment="dO, same layout rules as q"),
     _line("const float*", "lse", comment="(B, H, q_len) from the forward, natural log; -inf: row saw nothing"),
     _line("const float*", "delta", comment="(B, H, q_len): rowsum(dO * O), from bwd_preprocess"),
@@ -127,15 +133,9 @@ BWD_PARAMS = ParamStruct("BwdParams", (
           comment="deterministic mode: elements between two warps' copies of the buffer gradients"),
     _line("int", "q_len", "kv_len", "num_heads", "kv_group",
           comment="num_heads = query heads; kv_group = query heads per KV head"),
-    _line("float", "scale", comment="applied to q.k before score_mod"),
-    _line("float", "scale_log2", comment="scale * log2(e), used when there is no score_mod"),
-    "The block mask's transposed lists: per (b, h, KV block) a count and a list of query",
-    "blocks, \"partial\" ones (mask_mod applies) and \"full\" ones. A zero stride broadcasts.",
-    _line("const int*", "q_num_blocks"),
-    _line("const int*", "q_indices"),
-    _line("const int*", "full_q_num_blocks", comment="may be null"),
-    _line("const int*", "full_q_indices"),
-    _strides("qn", "kv"), _strides("qi", "kv"), _strides("fqn", "kv"), _strides("fqi", "kv"),
+    *_SCALES,
+    *_mask_lists("q", "kv", ("The block mask's transposed lists: per (b, h, KV block) a count and a list of query",
+                             "blocks, \"partial\" ones (mask_mod applies) and \"full\" ones. A zero stride broadcasts.")),
     _line("int", "has_block_mask", comment="0: every query tile is visited, as a full tile"),
     _line("int", "mask_q_block", "mask_kv_block", comment="block-mask granularity in tokens"),
     _line("int", "num_kv_tiles", comment="CTA x handles KV tiles x, x + gridDim.x, ... (one, unless deterministic)"),
