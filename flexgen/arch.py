@@ -1,7 +1,10 @@
-"""Target architectures: names, detection, and which template family serves each.
+"""Target architectures: names, detection, and what a target offers a kernel.
 
 Targets are spelled like nvcc's `sm_XX`. sm_90 always becomes "sm_90a" so that
 Hopper-only instructions are allowed (a cubin for sm_90a runs on every sm_90 GPU).
+Later targets keep the name they are given ("sm_100" or the arch-specific "sm_100a");
+a GPU's own target is the plain one, whose cubins run on every GPU of its major version
+from that minor on. Which template family serves a target is runtime/families.py's business.
 """
 from __future__ import annotations
 
@@ -9,7 +12,25 @@ import re
 
 from .cache import paths
 
-SUPPORTED = ("sm_80", "sm_86", "sm_89", "sm_90a")
+# Compute capability major -> the minors with a target of their own (a cubin for one runs on the later
+# minors of its major too).
+_MINORS = {8: (0, 6, 9), 9: (0,), 10: (0, 3), 11: (0,), 12: (0, 1)}
+# Majors whose targets also come in an arch-specific "a" form (accepted when named).
+_ARCH_SPECIFIC = (10, 11, 12)
+
+
+def _name(major: int, minor: int, arch_specific: bool = False) -> str:
+    if major == 9:
+        return "sm_90a"
+    return f"sm_{major}{minor}" + ("a" if arch_specific else "")
+
+
+SUPPORTED = tuple(_name(major, minor, a) for major, minors in _MINORS.items() for minor in minors
+                  for a in ((False, True) if major in _ARCH_SPECIFIC else (False,)))
+
+# Dynamic shared memory one CTA may use, per compute capability major.minor (the default: the smallest).
+_SHARED_MEMORY_LIMIT = {(8, 0): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024, (10, 3): 227 * 1024}
+_SHARED_MEMORY_DEFAULT = 99 * 1024
 
 
 class UnsupportedArchError(RuntimeError):
@@ -21,7 +42,9 @@ class NoDeviceError(UnsupportedArchError):
 
 
 def normalize(arch: str | int | tuple[int, int]) -> str:
-    """Accepts "sm_80", "sm80", "80", "8.0", 80, (8, 0), "sm_90"/"sm_90a"; returns a SUPPORTED name."""
+    """Accepts "sm_80", "sm80", "80", "8.0", 80, (8, 0), "sm_90"/"sm_90a", "sm_100a", "sm_120"; returns a
+    SUPPORTED name."""
+    arch_specific = False
     if isinstance(arch, tuple):
         major, minor = arch
     else:
@@ -29,12 +52,16 @@ def normalize(arch: str | int | tuple[int, int]) -> str:
         m = re.fullmatch(r"(?:sm_?|compute_?)?(\d+)(?:\.(\d))?(a?)", text)
         if not m:
             raise UnsupportedArchError(f"cannot read {arch!r} as a GPU architecture; write it like 'sm_80' or 'sm_90a'")
-        digits, dot_minor, _ = m.groups()
+        digits, dot_minor, suffix = m.groups()
         if dot_minor is not None:
             major, minor = int(digits), int(dot_minor)
         else:
             major, minor = divmod(int(digits), 10)
-    return from_capability(major, minor)
+        arch_specific = suffix == "a"
+    target = from_capability(major, minor)
+    if arch_specific and major in _ARCH_SPECIFIC and capability(target) == (major, minor):
+        return target + "a"  # what was asked for: the arch-specific form of this exact target
+    return target
 
 
 def from_capability(major: int, minor: int) -> str:
@@ -43,14 +70,12 @@ def from_capability(major: int, minor: int) -> str:
         raise UnsupportedArchError(
             f"compute capability {major}.{minor} is older than sm_80; flexgen kernels need an Ampere (sm_80) or newer GPU"
         )
-    if major == 8:
-        # cubins are forward compatible within a major version: sm_86 code runs on sm_87.
-        return max((a for a in ("sm_80", "sm_86", "sm_89") if int(a[4]) <= minor), key=lambda a: int(a[4]))
-    if major == 9:
-        return "sm_90a"
-    raise UnsupportedArchError(
-        f"compute capability {major}.{minor} has no flexgen template family yet; supported targets are {', '.join(SUPPORTED)}"
-    )
+    if major not in _MINORS:
+        raise UnsupportedArchError(
+            f"compute capability {major}.{minor} is newer than the targets flexgen knows; supported targets are "
+            f"{', '.join(SUPPORTED)}"
+        )
+    return _name(major, max(m for m in _MINORS[major] if m <= minor))
 
 
 def current(device_index: int | None = None) -> str:
@@ -109,87 +134,14 @@ def jit_target() -> str:
         raise
 
 
-def family(arch: str) -> str:
-    """Base template family for an architecture: sm80 (mma.sync, cp.async) serves every GPU from
-    sm_80 on and every kernel kind. Hopper's forward can take the sm90 family instead: see
-    forward_family."""
-    sm = int(re.sub(r"\D", "", arch)[:2])
-    if sm < 80:
-        raise UnsupportedArchError(f"{arch} is older than sm_80")
-    return "sm80"
+def capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of a target name: "sm_90a" -> (9, 0), "sm_120" -> (12, 0)."""
+    m = re.fullmatch(r"sm_(\d+)(\d)a?", arch)
+    if not m:
+        raise UnsupportedArchError(f"{arch!r} is not a target name like 'sm_80' or 'sm_90a'")
+    return int(m.group(1)), int(m.group(2))
 
 
-# Head dims the sm90 templates cover (forward: templates/sm90/fwd.cu.j2, tile 128 x {64, 128}, two
-# consumer warpgroups, two K/V stages, no dropout; backward: below).
-SM90_HEAD_DIMS = (64, 128)
-
-
-def forward_family(arch: str, head_dim: int, dropout: bool = False, tile_overrides: bool = False) -> str:
-    """Template family the forward pass uses by default: sm90 (wgmma, a producer warpgroup,
-    mbarriers) on Hopper where that template covers the call, else the base family. Tile
-    overrides (BLOCK_M, BLOCK_N, num_warps, num_stages) are sm80 tile choices, so they keep sm80."""
-    sm = int(re.sub(r"\D", "", arch)[:2])
-    if sm == 90 and head_dim in SM90_HEAD_DIMS and not dropout and not tile_overrides:
-        return "sm90"
-    return family(arch)
-
-
-# What the sm90 backward template covers (templates/sm90/bwd.cu.j2): KV tile 128 (two consumer
-# warpgroups x 64 keys), 64 query rows per step, head dims SM90_HEAD_DIMS; no dropout, no buffer
-# gradients, no backward tile options, block masks whose blocks are whole tiles.
-SM90_BACKWARD_TILE = (64, 128)  # (query rows per step, key rows per CTA); codegen/configs.py's row
-
-
-def sm90_backward_refusal(arch: str, head_dim: int, dropout: bool, buffer_grads: bool, tile_overrides: bool,
-                          mask_block: tuple[int, int] | None) -> str | None:
-    """Why the sm90 backward cannot take this call (None: it can)."""
-    sm = int(re.sub(r"\D", "", arch)[:2])
-    if sm != 90:
-        return f"it needs an sm_90 GPU (wgmma), not {arch}"
-    if head_dim not in SM90_HEAD_DIMS:
-        return f"head dim {head_dim} is not one of {SM90_HEAD_DIMS}"
-    if dropout:
-        return "it has no dropout"
-    if buffer_grads:
-        return "it computes no score_mod buffer gradients"
-    if tile_overrides:
-        return "BLOCK_M1 / BLOCK_N1 / num_warps1 are sm80 backward tiles"
-    if mask_block is not None and (mask_block[0] % SM90_BACKWARD_TILE[0] or mask_block[1] % SM90_BACKWARD_TILE[1]):
-        return f"block mask BLOCK_SIZE {tuple(mask_block)} is not a multiple of its tile {SM90_BACKWARD_TILE}"
-    return None
-
-
-def resolve_backward_family(requested: str | None, arch: str, head_dim: int, dropout: bool, buffer_grads: bool,
-                            tile_overrides: bool, mask_block: tuple[int, int] | None) -> str | None:
-    """The backward's spec option "family": "sm90" where the Hopper backward covers the call (or
-    where the user asked for it: an error says why it cannot), None for the base family."""
-    if _checked_request(requested) == "sm80":
-        return None
-    why = sm90_backward_refusal(arch, head_dim, dropout, buffer_grads, tile_overrides, mask_block)
-    if requested == "sm90" and why is not None:
-        raise ValueError(f"kernel option family='sm90': the Hopper backward cannot run this call: {why}; "
-                         "use family='sm80'")
-    return "sm90" if why is None else None
-
-
-FAMILY_CHOICES = ("sm80", "sm90")
-
-
-def _checked_request(requested: str | None) -> str | None:
-    """The kernel option "family" as given, once it is one of FAMILY_CHOICES (or None)."""
-    if requested is not None and requested not in FAMILY_CHOICES:
-        raise ValueError(f"kernel option family={requested!r}; allowed: {list(FAMILY_CHOICES)}")
-    return requested
-
-
-def resolve_forward_family(kind: str, requested: str | None, arch: str, head_dim: int, dropout: bool,
-                           tile_overrides: bool) -> str | None:
-    """The spec option "family" of a kernel: None for the base (sm80) family, "sm90" for the Hopper
-    forward. requested "sm80" keeps the base family; "sm90" asks for the Hopper one (render.py refuses
-    it where it does not apply); None picks forward_family's default for forward kernels."""
-    if _checked_request(requested) == "sm80":
-        return None
-    if requested == "sm90" or kind != "fwd":
-        return requested
-    chosen = forward_family(arch, head_dim, dropout=dropout, tile_overrides=tile_overrides)
-    return "sm90" if chosen == "sm90" else None
+def shared_memory_limit(arch: str) -> int:
+    """Dynamic shared memory one CTA may use on a target."""
+    return _SHARED_MEMORY_LIMIT.get(capability(arch), _SHARED_MEMORY_DEFAULT)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .blockmask import BlockMask
+from .runtime import backward as _backward_pass, forward as _forward_pass
 from .variant import variant
 
 MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -52,13 +53,11 @@ def attention_fwd(
     full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    from .attention import forward_call
-
     var = variant(variant_key)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                            q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
-    return forward_call(q, k, v, score, bm, mask, scale, var.kernel_options, **_dropout_kwargs(dropout_p, rng))
+    return _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options, **_dropout_kwargs(dropout_p, rng))
 
 
 @attention_fwd.register_fake
@@ -77,15 +76,13 @@ def attention_bwd(
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
     need_q: bool, need_k: bool, need_v: bool, buffer_grads: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    from .runtime.backward import backward_call
-
     var = variant(variant_key)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                            q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
     names = _buffer_names(score, mask)
     wanted = tuple(names[i] for i in buffer_grads)
-    dq, dk, dv, grads = backward_call(
+    dq, dk, dv, grads = _backward_pass.backward_call(
         q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
         grad_buffers=wanted, **_dropout_kwargs(dropout_p, rng),
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +32,46 @@ _PATH_DEPTH = 4
 _BOUND_PER_VARIANT = 8
 
 
+# Traced score_mods, keyed by the function and what its closure holds right now, so a
+# training loop traces once; rebinding a closure variable to a new tensor retraces.
+_trace_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _closure_key(fn) -> tuple:
+    cells = getattr(fn, "__closure__", None) or ()
+    out = []
+    for c in cells:
+        try:
+            out.append(id(c.cell_contents))
+        except ValueError:  # empty cell
+            out.append(None)
+    return tuple(out)
+
+
+def _trace(fn, kind: str) -> Mod | None:
+    if fn is None or isinstance(fn, Mod):
+        return fn
+    from .dsl.api import mask_mod as trace_mask, score_mod as trace_score
+
+    trace = trace_score if kind == "score" else trace_mask
+    if isinstance(fn, str):
+        return trace(fn)
+    try:
+        per_fn = _trace_cache.setdefault(fn, {})
+    except TypeError:  # not weak-referenceable: trace every time
+        return trace(fn)
+    key = _closure_key(fn)
+    if key not in per_fn:
+        per_fn.clear()
+        per_fn[key] = trace(fn)
+    return per_fn[key]
+
+
 def _traced(fn, kind: str) -> Mod | None:
     """The Mod of a score_mod / mask_mod; None for no score_mod and for a mask that keeps everything."""
-    from .attention import _traced as traced
     from .blockmask import _as_mask_mod
 
-    mod = traced(fn, kind)
+    mod = _trace(fn, kind)
     return _as_mask_mod(mod) if kind == "mask" else mod
 
 

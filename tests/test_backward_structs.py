@@ -1,6 +1,7 @@
 """The three backward kernels render and compile (no GPU needed), without register spills
-at the tile configs the runtime picks, and the host's ctypes mirrors of their params structs
-have exactly the size of the kernel's parameter in the PTX."""
+at the tile configs the planner picks, the host's ctypes mirrors of their params structs
+have exactly the size of the kernel's parameter in the PTX, and the sm80 family's shared-memory
+estimate (its tile search's measure) is what the compiled kernel exports."""
 from __future__ import annotations
 
 import ctypes
@@ -11,13 +12,17 @@ import pytest
 import torch
 
 from flexgen import variants as V
+from flexgen.arch import shared_memory_limit
 from flexgen.cache import jit
 from flexgen.cache.ptxas import has_spills
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from flexgen.codegen.spec import HEAD_DIMS
-from flexgen.runtime import backward as bw
+from flexgen.runtime import backward as bw, bwd_tiles, families
+from flexgen.runtime.kernel_symbols import shared_memory_bytes
+from flexgen.runtime.plan import plan
 
 HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
 pytestmark = [pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed"), pytest.mark.usefixtures("isolated_kernel_cache")]
@@ -53,10 +58,17 @@ def _mod_args_type(spec, score, mask, grad_buffers):
     return type(pack_mod_args(lower_mods(spec), buffers, params, grads, check_device=False))
 
 
-def _bwd_spec(score, mask, grad_buffers, head_dim, dtype, arch, deterministic=False, mask_block=None):
-    tiles = bw.bwd_tiles(head_dim, arch, mask_block, buffer_grads=bool(grad_buffers))
-    return make_spec("bwd", score, mask, head_dim=head_dim, dtype=dtype, arch=arch, grad_buffers=grad_buffers,
-                     deterministic=deterministic, **tiles)
+def _bwd_spec(score, mask, grad_buffers, head_dim, dtype, arch, deterministic=False, mask_block=None, dropout=False):
+    """The sm80 backward as the planner picks it for a flex_attention call."""
+    return plan("bwd", arch, head_dim, dtype, score.expr if score else None, mask.expr if mask else None,
+                family="sm80", grad_buffers=grad_buffers, deterministic=deterministic, mask_block=mask_block,
+                dropout=dropout)
+
+
+def _fits(spec, kernel=None) -> bool:
+    """The tile's shared memory fits the target, and the estimate is what the kernel exports."""
+    estimate = families.of(spec).shared_memory_estimate(spec)
+    return estimate <= shared_memory_limit(spec.arch) and (kernel is None or shared_memory_bytes(kernel) == estimate)
 
 
 @pytest.mark.parametrize("arch,head_dim", [("sm_80", 64), ("sm_90a", 64), ("sm_90a", 128)])
@@ -66,7 +78,7 @@ def test_bwd_struct_size_and_no_spills(name, arch, head_dim):
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
-    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert ctypes.alignment(params) == 8
 
@@ -79,7 +91,7 @@ def test_bwd_head_dims_compile_without_spills(head_dim, dtype, arch):
     kernel = jit.get_kernel(spec)
     res = kernel.resources
     assert not has_spills(res), f"D={head_dim} {dtype} {arch} tile {spec.block_m}x{spec.block_n}: {res}"
-    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
+    assert _fits(spec, kernel)
 
 
 @pytest.mark.parametrize("mask_block", [(64, 64), (16, 32), (128, 16)])
@@ -91,7 +103,7 @@ def test_bwd_small_mask_blocks_and_deterministic(mask_block):
         assert mask_block[0] % spec.block_m == 0 and mask_block[1] % spec.block_n == 0
         kernel = jit.get_kernel(spec)
         assert not has_spills(kernel.resources), f"{mask_block} det={det}: {kernel.resources}"
-        params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+        params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
         assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
 
 
@@ -105,7 +117,7 @@ def test_deterministic_buffer_grads_compile_without_spills(name, arch, head_dim)
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch, deterministic=True)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"deterministic {name} D={head_dim} on {arch} spills: {kernel.resources}"
-    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads))
+    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     src = kernel.source
     for text in ("long long shift;", "atomicAdd(addr + shift, sum);", "__syncwarp();",
@@ -145,11 +157,11 @@ def test_ordered_sum_and_buffer_views(rows):
 @pytest.mark.parametrize("kind", ["bwd_preprocess", "bwd_postprocess"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 def test_pre_post_struct_sizes(kind, head_dim):
-    spec = make_spec(kind, None, None, head_dim=head_dim, dtype="fp16", arch="sm_80",
-                     block_m=bw.PRE_POST_ROWS, num_warps=bw.PRE_POST_WARPS)
+    spec = make_spec(kind, None, None, head_dim=head_dim, dtype="fp16", arch="sm_80")
+    assert (spec.family, spec.block_m, spec.num_warps) == ("sm80", 64, 4)
     kernel = jit.get_kernel(spec)
     mod_args = type(pack_mod_args(lower_mods(spec), {}, {}))
-    params = bw.pre_params_type(mod_args) if kind == "bwd_preprocess" else bw.post_params_type(mod_args)
+    params = (BWD_PRE_PARAMS if kind == "bwd_preprocess" else BWD_POST_PARAMS).ctypes_type(mod_args)
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert not has_spills(kernel.resources)
 
@@ -171,17 +183,16 @@ def test_source_is_readable():
 
 
 def test_unsupported_head_dim_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="head dim 48"):
-        bw.bwd_tiles(48, "sm_90a")
+    with pytest.raises(ValueError, match="head dim 48"):
+        plan("bwd", "sm_90a", 48, "bf16")
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120"])
 @pytest.mark.parametrize("head_dim", list(HEAD_DIMS))
 def test_tiles_fit_shared_memory(head_dim, arch):
-    cfg = bw.bwd_tiles(head_dim, arch)
-    spec = make_spec("bwd", head_dim=head_dim, arch=arch, **cfg)
-    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
-    assert bw.layout_fits(head_dim, spec.block_m, spec.block_n, spec.num_warps)
+    spec = _bwd_spec(None, None, (), head_dim, "bf16", arch)
+    assert _fits(spec)
+    assert bwd_tiles.layout_fits(head_dim, spec.block_m, spec.block_n, spec.num_warps)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -189,23 +200,19 @@ def test_tiles_fit_shared_memory(head_dim, arch):
 @pytest.mark.parametrize("name", ["none", "causal", "alibi_learnable"])
 def test_bwd_dropout_struct_size_and_no_spills(name, head_dim, arch):
     score, mask, grads = _variants()[name]
-    tiles = bw.bwd_tiles(head_dim, arch, dropout=True, buffer_grads=bool(grads))
-    spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch=arch, grad_buffers=grads, dropout=True,
-                     **tiles)
+    spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch, dropout=True)
     kernel = jit.get_kernel(spec)
     assert "dropout_keep_bits" in kernel.source
     assert not has_spills(kernel.resources), f"dropout {name} D={head_dim} on {arch} spills: {kernel.resources}"
-    params = bw.bwd_params_type(_mod_args_type(spec, score, mask, grads), True)
+    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads), True)
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
-    assert bw.shared_memory_bytes(spec) <= bw.SMEM_LIMIT[arch]
+    assert _fits(spec, kernel)
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 def test_bwd_dropout_other_head_dims(head_dim):
     score, mask, grads = _variants()["alibi_learnable"]
-    tiles = bw.bwd_tiles(head_dim, "sm_90a", dropout=True, buffer_grads=bool(grads))
-    spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a", grad_buffers=grads,
-                     dropout=True, **tiles)
+    spec = _bwd_spec(score, mask, grads, head_dim, "bf16", "sm_90a", dropout=True)
     resources = jit.get_kernel(spec).resources
     assert not has_spills(resources), f"dropout D={head_dim} tile {spec.block_m}x{spec.block_n}: {resources}"
 
@@ -213,19 +220,20 @@ def test_bwd_dropout_other_head_dims(head_dim):
 def test_tile_overrides_and_warp_layouts():
     """BLOCK_M1 / BLOCK_N1 / num_warps1 reach the config; warps shrink to a layout that gives each
     one whole 16-wide steps and at most 128 registers of dK, dV."""
-    assert bw.bwd_tiles(128, "sm_90a", block_m=64, block_n=64, num_warps=4) == dict(
-        block_m=64, block_n=64, num_warps=4, num_stages=2)
-    assert bw.warp_layout(128, 64, 128, 8) == (4, 2)  # 32 keys x 32 queries of S^T, 32 keys x 64 of dK, dV
-    assert bw.warp_layout(128, 16, 32, 8) == (2, 4)   # too few queries: 16-row key groups
-    assert not bw.layout_fits(128, 16, 32, 8) and bw.bwd_tiles(128, "sm_90a", (16, 32))["num_warps"] == 2
+    spec = plan("bwd", "sm_90a", 128, "bf16", tiles=(("block_m", 64), ("block_n", 64), ("num_warps", 4)))
+    assert (spec.family, spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ("sm80", 64, 64, 4, 2)
+    assert bwd_tiles.warp_layout(128, 64, 128, 8) == (4, 2)  # 32 keys x 32 queries of S^T, 32 keys x 64 of dK, dV
+    assert bwd_tiles.warp_layout(128, 16, 32, 8) == (2, 4)   # too few queries: 16-row key groups
+    assert not bwd_tiles.layout_fits(128, 16, 32, 8)
+    assert _bwd_spec(None, None, (), 128, "bf16", "sm_90a", mask_block=(16, 32)).num_warps == 2
     # 8 warps of a 64 x 256 tile would need 256 registers each for dK and dV: the table's 64 x 64 holds
-    cfg = bw.bwd_tiles(256, "sm_90a")
-    assert 2 * cfg["block_n"] * 256 <= bw.MAX_DKV_FLOATS_PER_WARP * cfg["num_warps"]
+    spec = _bwd_spec(None, None, (), 256, "bf16", "sm_90a")
+    assert 2 * spec.block_n * 256 <= bwd_tiles.MAX_DKV_FLOATS_PER_WARP * spec.num_warps
 
 
 @pytest.mark.parametrize("options", [{"BLOCK_M1": 48}, {"BLOCK_N1": 8}, {"num_warps1": 3}, {"BLOCK_M1": "x"}])
 def test_bad_backward_tile_options_are_clear_errors(options):
-    from flexgen.attention import bwd_tile_overrides
+    from flexgen.runtime.plan import bwd_tile_overrides
 
     with pytest.raises(ValueError, match="allowed values"):
         bwd_tile_overrides(options)

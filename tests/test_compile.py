@@ -316,10 +316,10 @@ def test_inductor_end_to_end_with_a_cpu_stand_in_kernel(monkeypatch, how, grads)
     """The default backend (AOTAutograd + inductor) with the kernels swapped for the float64
     reference on the CPU: compiled forward and gradients (slopes included) equal eager's."""
     from flexgen import attention
-    from flexgen.runtime import backward
+    from flexgen.runtime import backward, forward
 
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
-    monkeypatch.setattr(attention, "forward_call", _reference_forward)
+    monkeypatch.setattr(forward, "forward_call", _reference_forward)
     monkeypatch.setattr(backward, "backward_call", _reference_backward)
     torch._dynamo.reset()
     module = Alibi(how)

@@ -181,7 +181,7 @@ def test_dropout_code_only_with_spec_dropout(kind):
 
 @pytest.mark.parametrize("bad", [-0.5, 1.0, float("nan")])
 def test_calls_reject_bad_dropout_before_any_kernel(bad):
-    from flexgen.attention import forward_call
+    from flexgen.runtime.forward import forward_call
     from flexgen.runtime.backward import backward_call
 
     q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)

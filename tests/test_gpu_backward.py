@@ -419,10 +419,11 @@ def test_deterministic_buffer_grads_memory_bound(monkeypatch):
     CTA walks every KV tile) and stays exact and repeatable; past one split, a clear error."""
     from flexgen.arch import current_arch
     from flexgen.runtime import backward as bw
+    from flexgen.runtime.plan import plan
 
     s = Shape(2, 4, 1000, 900)
     table_bytes = s.H * (2 * 1000 - 1) * 4
-    warps = bw.bwd_tiles(D0, current_arch(), buffer_grads=True)["num_warps"]
+    warps = plan("bwd", current_arch(), D0, "bf16", grad_buffers=("rel_bias",)).num_warps
     chosen = []
     pick = bw.deterministic_grad_splits
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.attention import forward_call
+from flexgen.runtime.forward import forward_call
 from flexgen.variant import _traced
 from flexgen.dropout import dropout_keep_mask
 from lowp_math import masked_scores

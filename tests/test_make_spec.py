@@ -1,4 +1,4 @@
-"""attention.make_spec, the per-call spec of flex_attention: memoized on what it reads, so a model's steps reuse
+"""runtime.plan.make_spec, the per-call spec of flex_attention: memoized on what it reads, so a model's steps reuse
 one spec object (and its cached hash in the kernel cache); refusals still raise every time."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import flexgen.arch
 from flexgen import variants as V
-from flexgen.attention import make_spec
+from flexgen.runtime.plan import make_spec
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def _q(dtype=torch.bfloat16, d=128):
 def test_same_inputs_give_the_same_spec(hopper):
     a = make_spec("fwd", _q(), V.softcap(30.0), V.causal, {"pingpong": True})
     b = make_spec("fwd", _q(), V.softcap(20.0), V.causal, {"pingpong": True})  # the cap is a run-time argument
-    assert a is b and a.option("family") == "sm90"
+    assert a is b and a.family == "sm90"
 
 
 @pytest.mark.parametrize("change", ["dtype", "head_dim", "score", "mask", "options", "kind", "dropout"])

@@ -15,8 +15,8 @@ from flexgen.cache import jit, paths
 from flexgen.cache.errors import FlexgenCompileError
 from flexgen.cache.ptxas import has_spills, parse_resources
 from flexgen.codegen.api import make_spec
-from flexgen.codegen.configs import choose_config
 from flexgen.codegen.render import TemplateNotFoundError, available_templates, render
+from flexgen.codegen.spec import KernelSpec
 from flexgen.dsl import ir
 from flexgen.dsl.ir import DType
 
@@ -112,7 +112,7 @@ def test_compile_error_has_log_and_saved_source():
 
 def test_missing_template_lists_what_exists():
     with pytest.raises(TemplateNotFoundError, match=r"block_mask.*available templates: .*sm80/fwd.cu.j2"):
-        render(make_spec("block_mask", arch="sm_80"), template_dir=FIXTURES)
+        render(KernelSpec(kind="block_mask", arch="sm_80"), template_dir=FIXTURES)
 
 
 def test_emit_is_readable_source():
@@ -160,18 +160,25 @@ ptxas info    : Used 255 registers, used 1 barriers, 48 bytes cumulative stack s
         parse_resources(log, "missing")
 
 
-# ---------------------------------------------------------------- configs and architectures
+# ---------------------------------------------------------------- tiles and architectures
 
 
-def test_choose_config_table_and_overrides():
-    assert choose_config("fwd", 64, "bf16", "sm_80") == dict(block_m=128, block_n=64, num_warps=4, num_stages=2)
-    assert choose_config("fwd", 128, "bf16", "sm_90a") == dict(block_m=128, block_n=64, num_warps=4, num_stages=1)
-    assert choose_config("fwd", 256, "fp16", "sm_86")["block_m"] == 64
-    assert choose_config("bwd", 128, "bf16", "sm_80") == dict(block_m=64, block_n=128, num_warps=8, num_stages=2)
-    assert choose_config("bwd", 128, "bf16", "sm_80", buffer_grads=True)["block_n"] == 64
-    assert choose_config("fwd", 128, "bf16", "sm_80", block_n=32)["block_n"] == 32
-    with pytest.raises(TypeError, match="unknown config field"):
-        choose_config("fwd", 128, "bf16", "sm_80", tile=3)
+def test_tile_table_and_overrides():
+    from flexgen.runtime.plan import plan
+
+    def tile(*args, **kwargs):
+        spec = plan(*args, **kwargs)
+        return spec.block_m, spec.block_n, spec.num_warps, spec.num_stages
+
+    assert tile("fwd", "sm_80", 64, "bf16") == (128, 64, 4, 2)
+    assert tile("fwd", "sm_90a", 128, "bf16", family="sm80") == (128, 64, 4, 1)
+    assert tile("fwd", "sm_86", 256, "fp16")[0] == 64
+    assert tile("bwd", "sm_90a", 128, "bf16", family="sm80") == (64, 128, 8, 2)
+    assert tile("bwd", "sm_80", 128, "bf16")[:2] == (32, 128)  # 64 query rows do not fit sm_80's shared memory
+    assert tile("bwd", "sm_90a", 128, "bf16", grad_buffers=("bias",))[1] == 64
+    assert tile("fwd", "sm_80", 128, "bf16", tiles=(("block_n", 32),))[1] == 32
+    with pytest.raises(TypeError, match="unknown tile field"):
+        plan("fwd", "sm_80", 128, "bf16", tiles=(("tile", 3),))
 
 
 def test_score_mods_with_per_element_loads_take_narrow_forward_tiles():
@@ -198,11 +205,17 @@ def test_arch_names(monkeypatch):
     assert archmod.normalize("sm_89") == "sm_89" and archmod.normalize("compute_80") == "sm_80"
     with pytest.raises(archmod.UnsupportedArchError, match="older than sm_80"):
         archmod.normalize("sm_75")
-    with pytest.raises(archmod.UnsupportedArchError, match="no flexgen template family"):
-        archmod.normalize("sm_100")
+    # Blackwell and later: the GPU's own target runs on later minors of its major; "a" is kept where asked.
+    assert archmod.normalize("sm_100") == "sm_100" and archmod.normalize((10, 3)) == "sm_103"
+    assert archmod.normalize("sm_100a") == "sm_100a" and archmod.normalize("sm_101a") == "sm_100"
+    assert archmod.normalize("12.0") == "sm_120" and archmod.normalize("sm_121") == "sm_121"
+    with pytest.raises(archmod.UnsupportedArchError, match="newer than the targets flexgen knows"):
+        archmod.normalize("sm_130")
+    assert archmod.capability("sm_120a") == (12, 0) and archmod.capability("sm_90a") == (9, 0)
+    assert archmod.shared_memory_limit("sm_90a") == archmod.shared_memory_limit("sm_100a") == 227 * 1024
+    assert archmod.shared_memory_limit("sm_120") == archmod.shared_memory_limit("sm_86") == 99 * 1024
     monkeypatch.setenv("FLEXGEN_ARCH_LIST", "sm_80, sm_90,sm_90a")
     assert archmod.targets() == ["sm_80", "sm_90a"]
-    assert archmod.family("sm_90a") == "sm80" and archmod.family("sm_86") == "sm80"
     if not torch.cuda.is_available():
         assert archmod.jit_target() == "sm_80"  # no GPU: the first listed target
         monkeypatch.delenv("FLEXGEN_ARCH_LIST")

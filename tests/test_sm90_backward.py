@@ -1,9 +1,9 @@
 """The Hopper backward (templates/sm90/bwd.cu.j2): flex_attention's default backward on sm_90 for head
-dims 64 and 128 without dropout or buffer gradients (arch.resolve_backward_family), or
+dims 64 and 128 without dropout or buffer gradients (runtime/families.py), or
 kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a, runs all five products on wgmma, its BwdParams has the
-host mirror's size and its exported shared-memory size equals runtime/backward.py's mirror; the
+host mirror's size and the launcher reads its exported shared-memory size from the cubin; the
 family choice and its refusals. GPU (marked; needs a Hopper): gradients against float64 autograd
 with the bar of tests/test_gpu_backward.py.
 """
@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from flexgen import variants as V
-from flexgen.arch import resolve_backward_family, sm90_backward_refusal
 from flexgen.cache import jit
 from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
-from flexgen.codegen.render import render
-from flexgen.runtime.backward import bwd_params_type, sm90_shared_memory_bytes, threads_per_cta
+from flexgen.codegen.params import BWD_PARAMS
+from flexgen.runtime import families
+from flexgen.runtime.families import Call, choose
+from flexgen.runtime.kernel_symbols import shared_memory_bytes
 from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
 
 gpu = pytest.mark.gpu
@@ -36,7 +37,7 @@ def test_compiles_and_matches_host_layouts(name, D):
     score, mask = cpu_variants()[name]
     spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (64, 128, 8, 2)
-    assert threads_per_cta(spec) == 384
+    assert families.of(spec).threads_per_cta(spec) == 384  # a producer warpgroup beside two consumer ones
     kernel = jit.get_kernel(spec)
     assert "sm90 family" in kernel.source
     # NVRTC 13.5: spill-free except relative_bias at D=128 (its table pointer next to dK and dV);
@@ -51,12 +52,12 @@ def test_compiles_and_matches_host_layouts(name, D):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D // 2}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     m = re.search(r"flexgen_bwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
-    assert m and int(m.group(1)) == sm90_shared_memory_bytes(spec)
+    assert m and int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin
     buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
     params = {**(mask.params if mask else {}), **(score.params if score else {})}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
     p = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{spec.entry_name}_param_0\[(\d+)\]", kernel.ptx)
-    assert p and int(p.group(1)) == ctypes.sizeof(bwd_params_type(type(mod_args)))
+    assert p and int(p.group(1)) == ctypes.sizeof(BWD_PARAMS.ctypes_type(type(mod_args)))
 
 
 @needs_nvrtc
@@ -71,30 +72,32 @@ def test_fp16_and_deterministic_compile():
 
 def test_backward_family_default_and_refusals():
     def pick(arch="sm_90a", D=128, dropout=False, grads=False, tiles=False, block=(128, 128), requested=None):
-        return resolve_backward_family(requested, arch, D, dropout, grads, tiles, block)
+        call = Call("bwd", arch, D, "bf16", dropout=dropout, buffer_grads=grads,
+                    tiles=(("block_m", 64),) if tiles else (), mask_block=block)
+        return choose(call, requested).name
 
     assert pick() == "sm90" and pick(D=64) == "sm90" and pick(block=None) == "sm90"
     assert pick(block=(256, 512)) == "sm90"
-    assert pick(arch="sm_80") is None and pick(D=96) is None and pick(D=256) is None
-    assert pick(dropout=True) is None and pick(grads=True) is None and pick(tiles=True) is None
-    assert pick(block=(64, 64)) is None and pick(block=(128, 64)) is None  # blocks smaller than the tile
-    assert pick(requested="sm80") is None
+    assert pick(arch="sm_80") == "sm80" and pick(D=96) == "sm80" and pick(D=256) == "sm80"
+    assert pick(dropout=True) == "sm80" and pick(grads=True) == "sm80" and pick(tiles=True) == "sm80"
+    assert pick(block=(64, 64)) == "sm80" and pick(block=(128, 64)) == "sm80"  # blocks smaller than the tile
+    assert pick(requested="sm80") == "sm80"
     with pytest.raises(ValueError, match="buffer gradients"):
         pick(requested="sm90", grads=True)
     with pytest.raises(ValueError, match="head dim 256"):
         pick(requested="sm90", D=256)
     with pytest.raises(ValueError, match="allowed"):
         pick(requested="sm75")
-    assert "multiple of its tile" in sm90_backward_refusal("sm_90a", 128, False, False, False, (32, 128))
+    assert "multiple of its tile" in families.named("sm90").refusal(Call("bwd", "sm_90a", 128, "bf16", mask_block=(32, 128)))
 
 
-def test_render_refuses_what_the_sm90_backward_does_not_cover():
+def test_planning_refuses_what_the_sm90_backward_does_not_cover():
     with pytest.raises(ValueError, match="tile"):
-        render(make_spec("bwd", None, None, head_dim=128, arch="sm_90a", block_n=64, **SM90))
+        make_spec("bwd", None, None, head_dim=128, arch="sm_90a", block_n=64, **SM90)
     with pytest.raises(ValueError, match="dropout"):
-        render(make_spec("bwd", None, None, head_dim=128, arch="sm_90a", dropout=True, **SM90))
+        make_spec("bwd", None, None, head_dim=128, arch="sm_90a", dropout=True, **SM90)
     with pytest.raises(ValueError, match="only"):
-        render(make_spec("bwd_preprocess", None, None, head_dim=128, arch="sm_90a", **SM90))
+        make_spec("bwd_preprocess", None, None, head_dim=128, arch="sm_90a", **SM90)
 
 
 # ---------------------------------------------------------------- on a Hopper GPU

@@ -1,9 +1,9 @@
 """The Hopper forward (templates/sm90/fwd.cu.j2): flex_attention's default forward on sm_90 for head
-dims 64 and 128 without dropout (arch.forward_family), or kernel_options={"family": "sm90"}.
+dims 64 and 128 without dropout (runtime/families.py), or kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a without spills, uses wgmma for both products, its
-FwdParams has the host mirror's size, and its exported shared-memory size equals
-runtime/forward.py's mirror; the family option is refused where there is no such kernel.
+FwdParams has the host mirror's size, and the launcher reads its exported shared-memory size from
+the cubin; the family option is refused where there is no such kernel.
 GPU (marked, skipped without one; needs a Hopper): outputs against the float64 reference,
 with the bar of tests/test_gpu_forward.py.
 """
@@ -19,11 +19,13 @@ from flexgen import variants as V
 from flexgen.cache import jit
 from flexgen.cache.ptxas import has_spills
 from flexgen.codegen.api import make_spec
-from flexgen.codegen.configs import choose_config
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
+from flexgen.codegen.params import FWD_PARAMS
 from flexgen.codegen.render import render
-from flexgen.runtime.forward import fwd_params_type, shared_memory_bytes
+from flexgen.runtime.families import Call, choose
+from flexgen.runtime.kernel_symbols import shared_memory_bytes
+from flexgen.runtime.plan import plan
 from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
 
 gpu = pytest.mark.gpu
@@ -47,8 +49,7 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     assert kernel.cubin[:4] == b"\x7fELF"
     assert "sm90 family" in kernel.source
     # A few bytes spill where buffer reads keep pointers across the KV loop (NVRTC 13.5: document at
-    # D=128 16 B, relative_bias at D=64 144 B since the drawn-tile ring, reloaded once per KV tile); more
-    # is a regression.
+    # D=128 16 B, relative_bias at D=64 144 B, reloaded once per KV tile); more is a regression.
     assert kernel.resources.get("spill_stores_bytes", 0) <= 160, f"{name} D={D} spills: {kernel.resources}"
     # Both products are wgmma: S = QK^T as m64n{BLOCK_N}k16 (A, B from shared memory), O += PV as m64n{D}k16.
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", kernel.ptx)
@@ -56,12 +57,12 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     assert "mma.sync" not in kernel.ptx
     m = re.search(r"flexgen_fwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
     assert m, "the kernel no longer exports flexgen_fwd_smem_bytes"
-    assert int(m.group(1)) == shared_memory_bytes(spec)
+    assert int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin
     buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
     params = {**(mask.params if mask else {}), **(score.params if score else {})}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
     p = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{spec.entry_name}_param_0\[(\d+)\]", kernel.ptx)
-    assert p and int(p.group(1)) == ctypes.sizeof(fwd_params_type(type(mod_args)))
+    assert p and int(p.group(1)) == ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args)))
 
 
 @needs_nvrtc
@@ -75,26 +76,27 @@ def test_fp16_compiles():
 
 def test_family_option_is_checked():
     with pytest.raises(ValueError, match="only"):
-        render(make_spec("bwd_postprocess", None, None, head_dim=64, arch="sm_90a", **SM90))
+        make_spec("bwd_postprocess", None, None, head_dim=64, arch="sm_90a", **SM90)
     with pytest.raises(ValueError, match="sm_90a"):
-        render(make_spec("fwd", None, None, head_dim=64, arch="sm_80", **SM90))
+        make_spec("fwd", None, None, head_dim=64, arch="sm_80", **SM90)
     with pytest.raises(ValueError, match="dropout"):
-        render(make_spec("fwd", None, None, head_dim=64, arch="sm_90a", dropout=True, **SM90))
+        make_spec("fwd", None, None, head_dim=64, arch="sm_90a", dropout=True, **SM90)
     with pytest.raises(ValueError, match="allowed"):
         make_spec("fwd", None, None, head_dim=64, arch="sm_90a", family="sm70")
 
 
 def test_sm80_family_on_request():
     spec = make_spec("fwd", None, None, head_dim=128, arch="sm_90a", family="sm80")
-    assert spec.family == "sm80" and spec.option("family") is None
+    assert spec.family == "sm80" and spec.option("family") is None  # a spec field, not a template option
     assert "mma_16816" in render(spec)
 
 
-def test_config_table():
-    assert choose_config("fwd", 64, "bf16", "sm_90a", family_override="sm90") == dict(
-        block_m=128, block_n=128, num_warps=8, num_stages=2)
+def test_tile_choice():
+    spec = plan("fwd", "sm_90a", 64, "bf16", family="sm90")
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (128, 128, 8, 2)
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
-    assert choose_config("fwd", 128, "bf16", "sm_90a", score_loads_per_element=True, family_override="sm90")["block_n"] == 64
+    score, _ = cpu_variants()["relative_bias"]
+    assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64
 
 
 # ---------------------------------------------------------------- on a Hopper GPU
@@ -146,46 +148,39 @@ def test_sm90_fp16_and_gqa(name):
 
 
 def test_forward_family_default():
-    from flexgen.arch import forward_family
+    def pick(arch="sm_90a", D=128, dropout=False, tiles=(), requested=None, kind="fwd"):
+        return choose(Call(kind, arch, D, "bf16", dropout=dropout, tiles=tiles), requested).name
 
-    assert forward_family("sm_90a", 128) == "sm90" and forward_family("sm_90a", 64) == "sm90"
-    assert forward_family("sm_90a", 96) == "sm80" and forward_family("sm_90a", 256) == "sm80"
-    assert forward_family("sm_90a", 128, dropout=True) == "sm80"
-    assert forward_family("sm_90a", 128, tile_overrides=True) == "sm80"
-    assert forward_family("sm_80", 128) == "sm80" and forward_family("sm_89", 64) == "sm80"
-
-
-def test_family_option_resolution():
-    from flexgen.arch import resolve_forward_family as resolve
-
-    assert resolve("fwd", None, "sm_90a", 128, False, False) == "sm90"
-    assert resolve("fwd", "sm80", "sm_90a", 128, False, False) is None
-    assert resolve("fwd", None, "sm_90a", 128, True, False) is None  # dropout
-    assert resolve("fwd", None, "sm_90a", 128, False, True) is None  # sm80 tile options
-    assert resolve("bwd", None, "sm_90a", 128, False, False) is None
-    assert resolve("fwd", "sm90", "sm_90a", 256, False, False) == "sm90"  # render.py refuses it, below
-    assert resolve("fwd", None, "sm_80", 128, False, False) is None
+    assert pick() == "sm90" and pick(D=64) == "sm90"
+    assert pick(D=96) == "sm80" and pick(D=256) == "sm80" and pick(dropout=True) == "sm80"
+    assert pick(tiles=(("block_n", 128),)) == "sm80"  # forward tile options are sm80 tile choices
+    assert pick(arch="sm_80") == "sm80" and pick(arch="sm_89", D=64) == "sm80"
+    assert pick(arch="sm_100a") == "sm80" and pick(arch="sm_120") == "sm80"  # wgmma is sm_90a's alone
+    assert pick(requested="sm80") == "sm80"
+    assert pick(kind="bwd_preprocess") == "sm80"
     with pytest.raises(ValueError, match="allowed"):
-        resolve("fwd", "sm100", "sm_90a", 128, False, False)
+        pick(requested="sm100")
+    with pytest.raises(ValueError, match=r"head dim 256 .*use family='sm80'"):
+        pick(requested="sm90", D=256)
 
 
 def test_emit_shows_what_flex_attention_runs():
-    """make_spec / emit / the CLI resolve the family as flex_attention does: the Hopper forward on
-    sm_90a where it applies, sm80 elsewhere or on request."""
-    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a").option("family") == "sm90"
-    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").option("family") is None
-    assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").option("family") is None
-    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", block_n=32).option("family") is None
-    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_80").option("family") is None
-    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").option("family") == "sm90"
-    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").option("family") is None
+    """make_spec / emit / the CLI plan the kernel as flex_attention does: the Hopper forward on sm_90a
+    where it applies, sm80 elsewhere or on request."""
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a").family == "sm90"
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").family == "sm80"
+    assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").family == "sm80"
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", block_n=32).family == "sm80"
+    assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_80").family == "sm80"
+    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").family == "sm90"
+    assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").family == "sm80"
 
 
 def test_sm90_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="head dim 256"):
-        render(make_spec("fwd", None, None, head_dim=256, arch="sm_90a", **SM90))
+        make_spec("fwd", None, None, head_dim=256, arch="sm_90a", **SM90)
     with pytest.raises(ValueError, match="tile"):
-        render(make_spec("fwd", None, None, head_dim=128, arch="sm_90a", block_n=32, **SM90))
+        make_spec("fwd", None, None, head_dim=128, arch="sm_90a", block_n=32, **SM90)
 
 
 @gpu
@@ -194,8 +189,7 @@ def test_sm90_refuses_what_it_does_not_cover():
 def test_sm90_persistent_many_tiles_per_cta(name):
     """With a block mask the sm90 grid is persistent: at 4 x 8 heads x 17 query tiles (544 work tiles)
     every CTA of an H200 (132 SMs) walks about four, carrying its pipeline's stages and phases from
-    one to the next. (Written after the session's last GPU run: the bench's output checks covered
-    this path then, at N=8k.)"""
+    one to the next."""
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(4, 8, 2049, 2049), 128, torch.bfloat16, kernel_options=SM90)

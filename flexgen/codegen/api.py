@@ -1,21 +1,23 @@
 """Public entry points: `flexgen.emit(...)` (CUDA source) and `flexgen.compile(...)` (a cubin).
 
 score_mod / mask_mod may be a Mod, an IR Node, a Python callable or DSL text;
-callables and text are traced through flexgen.dsl.api. Keyword options override
-KernelSpec fields (block_m, block_n, num_warps, num_stages, grad_buffers, dropout,
-deterministic, debug); any other keyword becomes a template option (spec.extra),
-e.g. fast_math=True, device_debug=True.
+callables and text are traced through flexgen.dsl.api. Keyword options: `family` asks
+for a template family; block_m, block_n, num_warps, num_stages fix the tile; grad_buffers,
+dropout, deterministic, debug are KernelSpec fields; any other keyword becomes a template
+option (spec.extra), e.g. fast_math=True, device_debug=True. The kernel is planned as
+flex_attention plans it (flexgen/runtime/plan.py), so emit shows what a call would run.
+
+This module is the public API layer, beside flexgen/attention.py: it sits above the runtime.
 """
 from __future__ import annotations
 
-from dataclasses import fields as dc_fields
-
 from .. import arch as archmod
-from ..dsl.ir import Node, has_positional_loads
-from .configs import CONFIG_FIELDS, choose_config
+from ..dsl.ir import Node
+from ..runtime.families import TILE_FIELDS
+from ..runtime.plan import plan
 from .spec import KernelSpec
 
-_SPEC_OPTIONS = {f.name for f in dc_fields(KernelSpec)} - {"kind", "head_dim", "dtype", "arch", "score_expr", "mask_expr", "extra"}
+_SPEC_FIELDS = ("grad_buffers", "dropout", "deterministic", "debug")
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
            "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
 
@@ -46,28 +48,17 @@ def as_expr(mod, kind: str) -> Node | None:
 
 def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 128, dtype="bf16",
               arch: str | None = "sm_90a", **options) -> KernelSpec:
+    """The KernelSpec of one kernel, planned as flex_attention plans it (see the module docstring)."""
     target = archmod.jit_target() if arch is None else archmod.normalize(arch)
-    dt = dtype_name(dtype)
-    score_expr = as_expr(score_mod, "score")
-    overrides = {k: options.pop(k) for k in CONFIG_FIELDS if k in options}
-    dropout = bool(options.get("dropout", False))
-    # The same family flex_attention would run (the Hopper forward and backward on sm_90a, where they apply).
-    if kind == "bwd":
-        family = archmod.resolve_backward_family(options.pop("family", None), target, head_dim, dropout,
-                                                 bool(options.get("grad_buffers")), bool(overrides), None)
-    else:
-        family = archmod.resolve_forward_family(kind, options.pop("family", None), target, head_dim, dropout,
-                                                bool(overrides))
-    if family is not None:
-        options["family"] = family
-    cfg = choose_config(kind, head_dim, dt, target, score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
-                        dropout=dropout, family_override=family, **overrides)
-    fields = {k: options.pop(k) for k in list(options) if k in _SPEC_OPTIONS}
-    if "grad_buffers" in fields:
-        fields["grad_buffers"] = tuple(fields["grad_buffers"])
+    fixed = {k: options.pop(k) for k in TILE_FIELDS if k in options}
+    tiles = tuple(sorted((k, v) for k, v in fixed.items() if v is not None))
+    family = options.pop("family", None)
+    fields = {k: options.pop(k) for k in _SPEC_FIELDS if k in options}
     extra = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))  # hashable
-    return KernelSpec(kind=kind, head_dim=head_dim, dtype=dt, arch=target, score_expr=score_expr,
-                      mask_expr=as_expr(mask_mod, "mask"), extra=extra, **cfg, **fields)
+    return plan(kind, target, head_dim, dtype_name(dtype), as_expr(score_mod, "score"), as_expr(mask_mod, "mask"),
+                family=family, tiles=tiles, dropout=bool(fields.get("dropout", False)),
+                grad_buffers=tuple(fields.get("grad_buffers", ())), deterministic=bool(fields.get("deterministic", False)),
+                debug=bool(fields.get("debug", False)), extra=extra)
 
 
 def emit(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 128, dtype="bf16", arch: str = "sm_90a",

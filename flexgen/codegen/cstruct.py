@@ -14,9 +14,12 @@ from .lower import ArgField, LoweredMods
 
 _CTYPES = {
     "int": ctypes.c_int32,
+    "unsigned": ctypes.c_uint32,
     "long long": ctypes.c_int64,
+    "unsigned long long": ctypes.c_uint64,
     "float": ctypes.c_float,
 }
+
 
 class ModArgsError(ValueError):
     pass

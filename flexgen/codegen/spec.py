@@ -9,24 +9,25 @@ Contract between stages
 * `flexgen.codegen.lower.lower_mods(spec) -> LoweredMods` turns `score_expr`,
   `mask_expr` into CUDA text (see lower.py for the exact signatures).
 * `flexgen.codegen.render.render(spec) -> str` picks
-  `flexgen/templates/<family>/<kind>.cu.j2` (family from `arch`: "sm80" for
-  every GPU from sm_80 on; the option extra "family" = "sm90" picks the Hopper
-  forward instead, which make_spec and flex_attention set by default on sm_90,
-  see arch.resolve_forward_family and render.SELECTABLE_FAMILIES) and renders it with
-  `spec`, `mods` (the LoweredMods) and `cfg` (derived constants below).
+  `flexgen/templates/<spec.family>/<kind>.cu.j2` and renders it with `spec`,
+  `mods` (the LoweredMods) and `cfg` (derived constants, render.derived_constants).
+  Which family serves a call, with which tile, is decided by the planner
+  (flexgen/runtime/plan.py, runtime/families.py); a spec only records it.
 * Every template defines exactly one entry point, `extern "C" __global__`,
   named `spec.entry_name`, taking a single `const __grid_constant__` params
   struct that embeds `ModArgs mod;` as its last member.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, replace
 
+from ..arch import SUPPORTED, capability
 from ..dsl.ir import Node
 
 KINDS = ("fwd", "bwd", "bwd_preprocess", "bwd_postprocess", "block_mask")
 DTYPES = ("bf16", "fp16")
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+ARCHS = ("sm_90",) + SUPPORTED
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
@@ -36,6 +37,7 @@ class KernelSpec:
     head_dim: int = 128
     dtype: str = "bf16"
     arch: str = "sm_80"
+    family: str = "sm80"  # the template family: templates/<family>/<kind>.cu.j2
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 4
@@ -55,6 +57,8 @@ class KernelSpec:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {DTYPES}")
         if self.arch not in ARCHS:
             raise ValueError(f"architecture {self.arch!r} is not supported; use one of {ARCHS}")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.family):  # it names a template folder
+            raise ValueError(f"template family {self.family!r} is not a folder name like 'sm80'")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} is not supported; supported head dims are {HEAD_DIMS}")
         if self.score_expr is not None and self.score_expr.dtype.value == "bool":
@@ -76,18 +80,13 @@ class KernelSpec:
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @property
-    def family(self) -> str:
-        from ..arch import family
-
-        return family(self.arch)
-
-    @property
     def entry_name(self) -> str:
         return f"flexgen_{self.kind}"
 
     @property
     def sm(self) -> int:
-        return int(self.arch[3:5])
+        major, minor = capability(self.arch)
+        return 10 * major + minor
 
     def with_(self, **changes) -> "KernelSpec":
         return replace(self, **changes)
@@ -104,6 +103,7 @@ class KernelSpec:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "arch": self.arch,
+            "family": self.family,
             "block_m": self.block_m,
             "block_n": self.block_n,
             "num_warps": self.num_warps,

@@ -13,7 +13,9 @@ import enum
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
+
+from .graph import postorder
 
 
 class DType(enum.Enum):
@@ -262,24 +264,6 @@ def where(cond: Node, a: Node, b: Node) -> Node:
 
 
 # ---------------------------------------------------------------- traversal
-
-
-def postorder(root: Node) -> Iterator[Node]:
-    """Each distinct node once, operands before users (iterative: deep DAGs are fine)."""
-    seen: set[str] = set()
-    stack: list[tuple[Node, bool]] = [(root, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if node.digest in seen:
-            continue
-        if expanded:
-            seen.add(node.digest)
-            yield node
-        else:
-            stack.append((node, True))
-            for a in reversed(node.args):
-                if a.digest not in seen:
-                    stack.append((a, False))
 
 
 def buffers_of(root: Node) -> list[BufferSpec]:

@@ -30,6 +30,17 @@ _BY_TOKEN: "OrderedDict[str, tuple]" = OrderedDict()
 _MAX_TOKENS = 4096
 
 
+# How a Mod called on traced values splices itself into the trace: set by trace.py (which imports this
+# module) when it loads. Until then no traced value exists, and a call evaluates the Mod on tensors.
+_inline_call = None
+
+
+def set_inliner(inline_call) -> None:
+    """`inline_call(mod, args)`: the traced result of calling `mod` on `args`, or None if none is traced."""
+    global _inline_call
+    _inline_call = inline_call
+
+
 def register_mod(mod: "Mod") -> None:
     if mod.token in _BY_TOKEN:
         _BY_TOKEN.move_to_end(mod.token)
@@ -97,9 +108,7 @@ class Mod:
     def __call__(self, *args):
         if len(args) != len(self.arg_names):
             raise TypeError(f"{self.kind}_mod {self.name!r} takes ({', '.join(self.arg_names)}), got {len(args)} arguments")
-        from .trace import inline_call  # lazy: trace.py imports this module
-
-        traced = inline_call(self, args)  # called inside another function being traced
+        traced = _inline_call(self, args) if _inline_call is not None else None  # inside a function being traced
         if traced is not None:
             return traced
         inputs = dict(zip(self.arg_names, args))

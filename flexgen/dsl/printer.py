@@ -1,7 +1,7 @@
 """Readable text for an IR expression, in the DSL's own text syntax."""
 from __future__ import annotations
 
-from .ir import Node, postorder
+from .graph import postorder  # not from ir.py: ir.py imports this module (Node.__repr__)
 
 _INFIX = {
     "add": ("+", 4), "sub": ("-", 4), "mul": ("*", 5), "div": ("/", 5), "floordiv": ("//", 5),
@@ -12,7 +12,7 @@ _INFIX = {
 _ATOM = 9
 
 
-def pretty(root: Node) -> str:
+def pretty(root) -> str:
     """One-line text of the expression; shared subexpressions are written out where used."""
     text: dict[str, tuple[str, int]] = {}
     for n in postorder(root):
@@ -25,7 +25,7 @@ def _paren(arg: tuple[str, int], prec: int, right: bool = False) -> str:
     return f"({s})" if p < prec or (right and p == prec) else s
 
 
-def _format(n: Node, args: list[tuple[str, int]]) -> tuple[str, int]:
+def _format(n, args: list[tuple[str, int]]) -> tuple[str, int]:
     op = n.op
     if op == "input":
         return n.attr, _ATOM
@@ -58,7 +58,7 @@ def _format(n: Node, args: list[tuple[str, int]]) -> tuple[str, int]:
     return f"{op}({', '.join(a[0] for a in args)})", _ATOM
 
 
-def pretty_lines(root: Node) -> str:
+def pretty_lines(root) -> str:
     """Multi-line SSA form, one named temporary per node that is used more than once."""
     uses: dict[str, int] = {}
     for n in postorder(root):

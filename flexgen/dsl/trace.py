@@ -39,7 +39,7 @@ from .errors import (
     user_frame,
 )
 from .ir import BufferSpec, DType, Node
-from .mod import MASK_ARGS, SCORE_ARGS, Mod
+from .mod import MASK_ARGS, SCORE_ARGS, Mod, set_inliner
 
 BUFFER_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -952,3 +952,6 @@ def inline_call(mod: Mod, args: tuple) -> "Proxy | None":
     """A Mod called with proxies (inside a function being traced) splices its IR in; None otherwise."""
     tracer = _find_tracer(args)
     return None if tracer is None else tracer.inline(mod, args)
+
+
+set_inliner(inline_call)

@@ -6,14 +6,11 @@
                     into the accumulator, and (through score_mod_bwd) buffer gradients.
 3. bwd_postprocess  dQ = scale * accumulator, in the input dtype.
 
-Two families of the main kernel: sm80 (templates/sm80/bwd.cu.j2, every GPU from sm_80) and, on
-Hopper where it applies (arch.resolve_backward_family), sm90 (templates/sm90/bwd.cu.j2: wgmma, a
-producer warpgroup, 384 threads). Both take the same BwdParams and grid; the pre- and postprocess
-kernels are sm80's for both.
-
-`BwdParams` (templates/common/bwd_params.j2), `BwdPreParams` and `BwdPostParams`
-(templates/sm80/bwd_{pre,post}process.cu.j2) are mirrored below field for field (ModArgs last);
-tests compare their sizes with the kernels' parameter sizes in the PTX.
+The planner (plan.py) picks the main kernel's family and tile; every family's main kernel takes
+BwdParams, and its grid and threads come from the family (families.py). The pre- and
+postprocess kernels are the sm80 family's. Their parameter structs (BwdParams, BwdPreParams,
+BwdPostParams) are declared once, in codegen/params.py: the templates paste their C text, this
+module fills their ctypes types.
 
 Deterministic mode (kernel_options={"deterministic": True}): the main kernel runs `splits`
 CTAs per (batch, KV head); CTA x takes KV tiles x, x + splits, ... in order and owns dQ
@@ -31,186 +28,23 @@ buffers) x 4 bytes, zeroed before and read after the kernel, and a warp-wide mer
 thread's running sum moves to another element (every score for a relative-bias table; never
 mid-step for an element of (b, h) alone, as ALiBi's slopes[h]). Where the copies would pass
 DETERMINISTIC_GRAD_BYTES, fewer splits are used; where even one split per (batch, KV head)
-would, the call is refused. Measured (H200, fwd+bwd, causal, B=2, H=16, N=8k, D=128): learnable
-ALiBi 18.7 ms against 13.2 non-deterministic (12.2 with fixed slopes, deterministic); a
-(16, 16383) relative-bias table 34.6 ms against 20.3 (4 splits of 256 copies of 1 MiB).
+would, the call is refused.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from ..arch import resolve_backward_family
-from ..attention import mod_arguments
-from ..codegen.configs import choose_config
-from ..codegen.spec import HEAD_DIMS, KernelSpec
-from .forward import DROPOUT_FIELDS, LOG2E, _bh_strides, _sm_count, set_dropout, threads_per_cta
-
-_ptr = ctypes.c_void_p
-_i64 = ctypes.c_longlong
-_i32 = ctypes.c_int
-_f32 = ctypes.c_float
-
-
-def _strides3(prefix: str) -> list[tuple[str, type]]:
-    return [(f"{prefix}_stride_b", _i64), (f"{prefix}_stride_h", _i64), (f"{prefix}_stride_l", _i64)]
-
-
-_BWD_FIELDS = (
-    [("q", _ptr), ("k", _ptr), ("v", _ptr), ("dout", _ptr), ("lse", _ptr), ("delta", _ptr),
-     ("dq_accum", _ptr), ("dk", _ptr), ("dv", _ptr)]
-    + _strides3("q") + _strides3("k") + _strides3("v") + _strides3("do") + _strides3("dk") + _strides3("dv")
-    + [("dq_split_stride", _i64), ("grad_slot_stride", _i64),
-       ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
-       ("scale", _f32), ("scale_log2", _f32),
-       ("q_num_blocks", _ptr), ("q_indices", _ptr), ("full_q_num_blocks", _ptr), ("full_q_indices", _ptr),
-       ("qn_stride_b", _i64), ("qn_stride_h", _i64), ("qn_stride_kv", _i64),
-       ("qi_stride_b", _i64), ("qi_stride_h", _i64), ("qi_stride_kv", _i64),
-       ("fqn_stride_b", _i64), ("fqn_stride_h", _i64), ("fqn_stride_kv", _i64),
-       ("fqi_stride_b", _i64), ("fqi_stride_h", _i64), ("fqi_stride_kv", _i64),
-       ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32), ("num_kv_tiles", _i32),
-       ("persistent", _i32), ("batch", _i32), ("kv_heads", _i32)]
-)
-
-_PRE_FIELDS = (
-    [("o", _ptr), ("dout", _ptr), ("delta", _ptr), ("dq_accum", _ptr)]
-    + _strides3("o") + _strides3("do")
-    + [("dq_split_stride", _i64), ("q_len", _i32), ("num_heads", _i32), ("num_splits", _i32)]
-)
-
-_POST_FIELDS = (
-    [("dq_accum", _ptr), ("dq", _ptr)]
-    + _strides3("dq")
-    + [("dq_split_stride", _i64), ("q_len", _i32), ("num_heads", _i32), ("num_splits", _i32), ("scale", _f32)]
-)
-
-
-def _struct(name: str, fields: list, mod_args_type: type) -> type:
-    return type(name, (ctypes.Structure,), {"_fields_": fields + [("mod", mod_args_type)]})
-
-
-@functools.lru_cache(maxsize=None)
-def bwd_params_type(mod_args_type: type, dropout: bool = False) -> type:
-    """The ctypes mirror of BwdParams (templates/sm80/bwd.cu.j2) for one ModArgs layout."""
-    return _struct("BwdParams", _BWD_FIELDS + (DROPOUT_FIELDS if dropout else []), mod_args_type)
-
-
-@functools.lru_cache(maxsize=None)
-def pre_params_type(mod_args_type: type) -> type:
-    """The ctypes mirror of BwdPreParams (templates/sm80/bwd_preprocess.cu.j2)."""
-    return _struct("BwdPreParams", _PRE_FIELDS, mod_args_type)
-
-
-@functools.lru_cache(maxsize=None)
-def post_params_type(mod_args_type: type) -> type:
-    """The ctypes mirror of BwdPostParams (templates/sm80/bwd_postprocess.cu.j2)."""
-    return _struct("BwdPostParams", _POST_FIELDS, mod_args_type)
-
-
-# ---------------------------------------------------------------- tile configuration
-
-PRE_POST_ROWS, PRE_POST_WARPS = 64, 4
-
-# Dynamic shared memory one CTA may use, per target.
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
-
-
-def warp_layout(head_dim: int, block_m: int, block_n: int, num_warps: int) -> tuple[int, int]:
-    """(key warps, other warps) of bwd.cu.j2 (key_warps()): key rows in groups of 32 where that
-    leaves every warp whole 16-wide steps of the query and D columns, else of 16."""
-    def whole_steps(other: int) -> bool:
-        return block_m % (16 * other) == 0 and head_dim % (16 * other) == 0
-
-    key_warps = min(max(block_n // 32, 1), num_warps)
-    while key_warps < num_warps and key_warps < block_n // 16 and not whole_steps(num_warps // key_warps):
-        key_warps *= 2
-    return key_warps, num_warps // key_warps
-
-
-def layout_fits(head_dim: int, block_m: int, block_n: int, num_warps: int) -> bool:
-    """Whether bwd.cu.j2's static_asserts hold for this tile and warp count."""
-    key_warps, other = warp_layout(head_dim, block_m, block_n, num_warps)
-    return (key_warps * other == num_warps and block_n % (16 * key_warps) == 0
-            and block_m % (16 * other) == 0 and head_dim % (16 * other) == 0)
-
-
-# dK and dV of a warp's rows and columns stay in registers all along: 128 registers at most.
-MAX_DKV_FLOATS_PER_WARP = 128 * 32  # 128 registers x 32 lanes
-
-
-def shared_memory_bytes(spec: KernelSpec) -> int:
-    """Dynamic shared memory of the main backward kernel (layout in sm80/bwd.cu.j2: kv_tile_backward,
-    or sm90_shared_memory_bytes for the sm90 family)."""
-    if spec.option("family") == "sm90":
-        return sm90_shared_memory_bytes(spec)
-    d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
-    stages = 2 if spec.num_stages >= 2 else 1
-    halves = 2 * bn * (d + 8) + 2 * stages * bm * (d + 8) + 2 * bn * (bm + 8)  # K, V; Q, dO per stage; P^T, dX^T
-    return 2 * halves + 2 * stages * bm * 4  # + lse and delta per stage
-
-
-def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
-    """Dynamic shared memory of the sm90 backward (layout in sm90/bwd.cu.j2, SMEM_BYTES): alignment
-    slack, K, V, two stages of Q and dO, two dX buffers, two stages of lse and delta, the barriers."""
-    d, bm, bn = spec.head_dim, spec.block_m, spec.block_n
-    return 1024 + 2 * (2 * bn * d) + 2 * 2 * (2 * bm * d) + 2 * (2 * bm * bn) + 2 * 2 * bm * 4 + 128
-
-
-def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = None, dropout: bool = False,
-              buffer_grads: bool = False, **overrides) -> dict:
-    """Tile config of the main kernel: block mask blocks must be whole multiples of the tiles.
-    `overrides` (block_m, block_n, num_warps) come from kernel_options BLOCK_M1 / BLOCK_N1 / num_warps1;
-    num_warps is an upper bound (fewer where the tile's warp layout needs)."""
-    if head_dim not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"flex_attention backward: head dim {head_dim} is not supported; supported head dims are {HEAD_DIMS}"
-        )
-    target = arch if arch in SMEM_LIMIT else "sm_80"
-    cfg = choose_config("bwd", head_dim, "bf16", target, dropout=dropout, buffer_grads=buffer_grads, **overrides)
-    bm, bn = cfg["block_m"], cfg["block_n"]
-    if mask_block is not None:
-        bq, bkv = mask_block
-        if bq % 16 or bkv % 16:
-            raise ValueError(f"flex_attention backward: block mask BLOCK_SIZE {mask_block} must be a multiple of 16")
-        while bq % bm:
-            bm //= 2
-        while bkv % bn:
-            bn //= 2
-    limit = SMEM_LIMIT.get(arch, 99 * 1024)
-    # Shared memory: the first fit of fewer query rows (down to 32), then one Q/dO stage
-    # instead of two, then fewer key rows; then as many warps as the layout gives work to.
-    stage_options = (2, 1) if cfg["num_stages"] >= 2 else (1,)
-    rows = [bm >> i for i in range(8) if (bm >> i) >= min(bm, 32)]
-    for n in [bn >> i for i in range(8) if (bn >> i) >= 16]:
-        for stages in stage_options:
-            for m in rows:
-                probe = KernelSpec(kind="bwd", head_dim=head_dim, arch=target, block_m=m, block_n=n, num_warps=1,
-                                   num_stages=stages)
-                warps = _warps_for(head_dim, m, n, cfg["num_warps"])
-                if shared_memory_bytes(probe) <= limit and warps:
-                    return {"block_m": m, "block_n": n, "num_warps": warps, "num_stages": stages}
-    raise NotImplementedError(
-        f"flex_attention backward: head dim {head_dim} has no tile that fits {arch}'s {limit} bytes of shared memory "
-        f"per block and its registers; it is not supported on this GPU"
-    )
-
-
-def _warps_for(head_dim: int, block_m: int, block_n: int, warps: int) -> int:
-    """The most warps, up to `warps`, whose layout gives each one whole MMA steps and at most
-    MAX_DKV_FLOATS_PER_WARP of dK, dV; 0 if there are none."""
-    while warps >= 1:
-        if layout_fits(head_dim, block_m, block_n, warps) and 2 * block_n * head_dim <= MAX_DKV_FLOATS_PER_WARP * warps:
-            return warps
-        warps //= 2
-    return 0
-
+from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
+from . import families
+from .arguments import kernel_ready, mod_arguments
+from .forward import LOG2E, _bh_strides, set_dropout
+from .kernel_symbols import shared_memory_bytes
+from .plan import make_spec
+from .schedule import sm_count
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
     """Deterministic mode: KV-tile CTAs per (batch, KV head), about two waves of the GPU."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, batch * kv_heads))
+    want = -(-2 * sm_count(device) // max(1, batch * kv_heads))
     return max(1, min(num_kv_tiles, want))
 
 
@@ -296,39 +130,26 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
 
 def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
               grad_buffers, dropout_p, philox):
-    from ..attention import _kernel_ready, bwd_tile_overrides, make_spec
-    from ..cache import get_kernel
+    from ..cache.jit import get_kernel
     from ..codegen.cstruct import pack_mod_args
     from ..codegen.lower import lower_mods
 
     want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
-    options = dict(kernel_options or {})
-    deterministic = bool(options.get("deterministic", False))
-
-    q, k, v = _kernel_ready(query), _kernel_ready(key), _kernel_ready(value)
-    o, do = _kernel_ready(out), _kernel_ready(grad_out.to(query.dtype))
+    q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
+    o, do = kernel_ready(out), kernel_ready(grad_out.to(query.dtype))
     lse = lse.contiguous()
     batch, heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     device = q.device
     stream = torch.cuda.current_stream(device).cuda_stream
 
-    base = make_spec("bwd", query, score, mask, None, dropout=dropout_p > 0)
     if bm is not None:
         bm = _int32_lists(bm)
-    mask_block = tuple(bm.BLOCK_SIZE) if bm is not None else None
-    tile_overrides = bwd_tile_overrides(kernel_options)
-    family = resolve_backward_family(options.get("family"), base.arch, d, base.dropout, bool(grad_buffers),
-                                     bool(tile_overrides), mask_block)
-    extra = tuple(kv for kv in base.extra if kv[0] != "family") + ((("family", family),) if family else ())
-    if family == "sm90":
-        tiles = choose_config("bwd", d, base.dtype, base.arch, family_override="sm90")
-    else:
-        tiles = bwd_tiles(d, base.arch, mask_block, base.dropout, bool(grad_buffers), **tile_overrides)
-    spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, extra=tuple(sorted(extra)), **tiles)
-    pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
-        block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
-    post_spec = pre_spec.with_(kind="bwd_postprocess")
+    spec = make_spec("bwd", query, score, mask, kernel_options, dropout=dropout_p > 0, grad_buffers=grad_buffers,
+                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
+    deterministic = spec.deterministic
+    pre_spec = make_spec("bwd_preprocess", query, None, None, None)
+    post_spec = make_spec("bwd_postprocess", query, None, None, None)
 
     num_kv_tiles = -(-kv_len // spec.block_n)
     splits = _num_splits(num_kv_tiles, batch, kv_heads, device) if deterministic else 1
@@ -336,7 +157,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     grad_floats = sum(buffers[name].numel() for name in grad_buffers)
     grad_copies = 0  # deterministic mode: per-warp copies of the buffer gradients (see the module docstring)
     if deterministic and grad_buffers:
-        copies_per_split = batch * kv_heads * spec.num_warps  # the sm80 family's warps: sm90 takes no buffer grads
+        copies_per_split = batch * kv_heads * spec.num_warps
         splits = deterministic_grad_splits(splits, copies_per_split, grad_floats, grad_buffers)
         grad_copies = copies_per_split * splits
 
@@ -349,7 +170,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     # 1. delta, and a zeroed dQ accumulator
     pre_kernel = get_kernel(pre_spec)
     empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
-    pre = pre_params_type(type(empty_args))()
+    pre = BWD_PRE_PARAMS.ctypes_type(type(empty_args))()
     pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
     pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
     pre.o_stride_b, pre.o_stride_h, pre.o_stride_l = o.stride(0), o.stride(1), o.stride(2)
@@ -357,8 +178,8 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     pre.dq_split_stride = split_stride
     pre.q_len, pre.num_heads, pre.num_splits = q_len, heads, splits
     pre.mod = empty_args
-    rows_grid = (-(-q_len // PRE_POST_ROWS), heads, batch)
-    pre_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, pre)
+    rows_grid = (-(-q_len // pre_spec.block_m), heads, batch)
+    pre_kernel.launch(rows_grid, (families.of(pre_spec).threads_per_cta(pre_spec), 1, 1), 0, stream, pre)
 
     # 2. the main kernel
     grad_parts = None
@@ -369,7 +190,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
     kernel = get_kernel(spec)
-    p = bwd_params_type(type(mod_args), spec.dropout)()
+    p = BWD_PARAMS.ctypes_type(type(mod_args), spec.dropout)()
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
@@ -394,12 +215,9 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     p.batch, p.kv_heads = batch, kv_heads
-    grid = (splits if deterministic else num_kv_tiles, kv_heads, batch)
-    if family == "sm90" and not deterministic and spec.option("persistent", True):
-        # One CTA per SM walks the work tiles: the next tile's K and V copy behind this one's epilogue.
-        p.persistent = 1
-        grid = (min(num_kv_tiles * kv_heads * batch, _sm_count(device)), 1, 1)
-    kernel.launch(grid, (threads_per_cta(spec), 1, 1), shared_memory_bytes(spec), stream, p)
+    family = families.of(spec)
+    grid = family.backward_grid(spec, p, k, num_kv_tiles, splits)
+    kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream, p)
     if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
         total = _ordered_sum(grad_parts)
         buffer_grads = {name: g.clone() for name, g in zip(grad_buffers, _buffer_views(total, grad_buffers, buffers))}
@@ -409,14 +227,14 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if want_dq:
         dq = torch.empty(batch, heads, q_len, d, dtype=q.dtype, device=device)
         post_kernel = get_kernel(post_spec)
-        post = post_params_type(type(empty_args))()
+        post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
         post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
         post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = dq.stride(0), dq.stride(1), dq.stride(2)
         post.dq_split_stride = split_stride
         post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
         post.scale = scale
         post.mod = empty_args
-        post_kernel.launch(rows_grid, (PRE_POST_WARPS * 32, 1, 1), 0, stream, post)
+        post_kernel.launch(rows_grid, (families.of(post_spec).threads_per_cta(post_spec), 1, 1), 0, stream, post)
     # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
     # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
     del delta, dq_accum, grad_parts

@@ -1,93 +1,31 @@
-"""Launch of the generated forward kernel: pack FwdParams, pick the grid, go.
+"""The forward pass: plan the kernel, pack FwdParams, launch on torch's current stream (the grid, the
+threads and the schedule are the family's, the shared memory the compiled kernel's).
 
-`FwdParams` below mirrors the struct of the same name in templates/sm80/fwd.cu.j2
-field for field; tests compare its size with the kernel's parameter size in the PTX.
+FwdParams is declared once, in codegen/params.py: the templates paste its C text, this module
+fills its ctypes type.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
+from ..blockmask import BlockMask
+from ..codegen.params import FWD_PARAMS
 from ..codegen.spec import KernelSpec
-from .schedule import head_chunk, l2_bytes, query_tile_order, tile_counter
-
-_ptr = ctypes.c_void_p
-_i64 = ctypes.c_longlong
-_i32 = ctypes.c_int
-_f32 = ctypes.c_float
-
-_FWD_FIELDS = [
-    ("q", _ptr), ("k", _ptr), ("v", _ptr), ("o", _ptr), ("lse", _ptr),
-    ("q_stride_b", _i64), ("q_stride_h", _i64), ("q_stride_l", _i64),
-    ("k_stride_b", _i64), ("k_stride_h", _i64), ("k_stride_l", _i64),
-    ("v_stride_b", _i64), ("v_stride_h", _i64), ("v_stride_l", _i64),
-    ("o_stride_b", _i64), ("o_stride_h", _i64), ("o_stride_l", _i64),
-    ("q_len", _i32), ("kv_len", _i32), ("num_heads", _i32), ("kv_group", _i32),
-    ("scale", _f32), ("scale_log2", _f32),
-    ("kv_num_blocks", _ptr), ("kv_indices", _ptr), ("full_kv_num_blocks", _ptr), ("full_kv_indices", _ptr),
-    ("kvn_stride_b", _i64), ("kvn_stride_h", _i64), ("kvn_stride_q", _i64),
-    ("kvi_stride_b", _i64), ("kvi_stride_h", _i64), ("kvi_stride_q", _i64),
-    ("fkvn_stride_b", _i64), ("fkvn_stride_h", _i64), ("fkvn_stride_q", _i64),
-    ("fkvi_stride_b", _i64), ("fkvi_stride_h", _i64), ("fkvi_stride_q", _i64),
-    ("has_block_mask", _i32), ("mask_q_block", _i32), ("mask_kv_block", _i32),
-    ("batch", _i32), ("head_chunk", _i32), ("m_order", _ptr), ("tile_counter", _ptr),
-]
-# Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
-DROPOUT_FIELDS = [
-    ("philox_seed", ctypes.c_ulonglong), ("philox_offset", ctypes.c_ulonglong),
-    ("dropout_p", _f32), ("dropout_threshold", ctypes.c_uint), ("dropout_scale", _f32),
-]
+from ..dsl.mod import Mod
+from . import families
+from .arguments import kernel_ready, mod_arguments
+from .kernel_symbols import shared_memory_bytes
+from .plan import make_spec
 
 LOG2E = 1.4426950408889634
 
 
-@functools.lru_cache(maxsize=None)
-def fwd_params_type(mod_args_type: type, dropout: bool = False) -> type:
-    """The ctypes mirror of FwdParams for one ModArgs layout (and the dropout fields, if built with them)."""
-    fields = _FWD_FIELDS + (DROPOUT_FIELDS if dropout else [])
-    return type("FwdParams", (ctypes.Structure,), {"_fields_": fields + [("mod", mod_args_type)]})
-
-
 def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
-    """Fill the dropout fields of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
+    """Fill the dropout members of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
     from ..dropout import dropout_threshold
 
     p.philox_seed, p.philox_offset = philox
     p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
-
-
-def shared_memory_bytes(spec: KernelSpec) -> int:
-    if spec.option("family") == "sm90":
-        return sm90_shared_memory_bytes(spec)
-    stages = 2 if spec.num_stages >= 2 else 1  # K and V buffers each
-    tiles = (spec.block_m + 2 * stages * spec.block_n) * (spec.head_dim + 8) * 2
-    threads = 32 * spec.num_warps
-    words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)  # one bit per element of S (fwd.cu.j2: MASK_FIRST)
-    return tiles + 4 * threads * words_per_thread
-
-
-def sm90_shared_memory_bytes(spec: KernelSpec) -> int:
-    """Mirror of templates/sm90/fwd.cu.j2's SMEM_BYTES: 1024 bytes to align the base to a 128-byte
-    swizzle atom, Q (block_m x D), two stages of K and V (block_n x D each), one mask bit per
-    element of S per consumer thread, 256 bytes of pipeline (barriers, drawn work tiles), O's staging tile."""
-    stages = 2 if spec.num_stages >= 2 else 1
-    tiles = (spec.block_m + 2 * stages * spec.block_n) * spec.head_dim * 2
-    threads = 32 * spec.num_warps  # consumer threads: only they keep mask bits
-    words_per_thread = -(-(spec.block_m * spec.block_n // threads) // 32)
-    o_stage = spec.block_m * (spec.head_dim * 2 + 16)  # O's staging tile, rows padded by 16 bytes
-    return 1024 + tiles + 4 * threads * words_per_thread + 256 + o_stage  # + the pipeline: barriers, drawn tiles
-
-
-def threads_per_cta(spec: KernelSpec) -> int:
-    """The sm90 kernels (forward and backward) run a producer warpgroup beside their num_warps consumer warps."""
-    return 32 * spec.num_warps + (128 if spec.option("family") == "sm90" else 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
@@ -105,8 +43,7 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     dropout_p > 0 needs a spec built with dropout."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    params_type = fwd_params_type(type(mod_args), spec.dropout)
-    p = params_type()
+    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout)()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
     p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
@@ -129,20 +66,57 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     p.batch = batch
-    q_tiles = -(-q_len // spec.block_m)
     stream = torch.cuda.current_stream(q.device)
-    if spec.option("family") == "sm90":
-        # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh:
-        # the grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
-        # kernel_options={"persistent": False} launches one CTA per work tile.
-        work = q_tiles * heads * batch
-        if block_mask is not None:
-            p.m_order = query_tile_order(block_mask, spec.block_m).data_ptr()
-        p.head_chunk = head_chunk(batch * heads, kv_len, q.shape[-1], q.element_size(), heads // kv_heads,
-                                  l2_bytes(q.device))
-        p.tile_counter = tile_counter(stream).data_ptr()
-        grid = (min(work, _sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
-    else:
-        grid = (q_tiles, heads, batch)
-    block = (threads_per_cta(spec), 1, 1)
-    kernel.launch(grid, block, shared_memory_bytes(spec), stream.cuda_stream, p)
+    family = families.of(spec)
+    grid = family.forward_grid(spec, p, q, k, block_mask, stream)
+    kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream.cuda_stream, p)
+
+
+def check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if tuple(bm.seq_lengths) != (q_len, kv_len):
+        raise ValueError(
+            f"flex_attention: the block mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)} but the inputs "
+            f"have ({q_len}, {kv_len}); build it with create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
+        )
+    if bm.device != query.device:
+        raise ValueError(f"flex_attention: the block mask is on {bm.device} but the inputs are on {query.device}; use block_mask.to(device)")
+    bq, bkv = bm.BLOCK_SIZE
+    if bq % spec.block_m or bkv % spec.block_n:
+        raise ValueError(
+            f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "
+            f"({spec.block_m}, {spec.block_n}); use BLOCK_SIZE=128 or set kernel_options BLOCK_M/BLOCK_N"
+        )
+    b, h = query.shape[0], query.shape[1]
+    mb, mh = bm.kv_num_blocks.shape[0], bm.kv_num_blocks.shape[1]
+    if mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
+    if bm.kv_indices.shape[-2] < -(-q_len // bq):
+        raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
+
+
+def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options,
+                 dropout_p: float = 0.0, philox: tuple[int, int] | None = None):
+    """Validated inputs -> (out, lse) through the generated forward kernel.
+
+    dropout_p > 0: attention dropout with the keep mask drawn from philox = (seed, offset)
+    (flexgen/dropout.py); lse stays that of the un-dropped softmax."""
+    from ..cache.jit import get_kernel
+    from ..codegen.cstruct import pack_mod_args
+    from ..codegen.lower import lower_mods
+    from ..dropout import check_dropout
+
+    dropout_p, philox = check_dropout(dropout_p, philox)
+    spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
+                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
+    if bm is not None:
+        check_block_mask(bm, query, key, spec)
+    kernel = get_kernel(spec)
+    buffers, params = mod_arguments(score, mask, query.device)
+    mod_args = pack_mod_args(lower_mods(spec), buffers, params)
+    q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
+    b, h, lq, d = q.shape
+    out = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
+    return out, lse

@@ -44,6 +44,11 @@ _orders: dict[tuple, tuple] = {}
 
 
 @functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
 def l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 

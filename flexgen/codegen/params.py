@@ -1,0 +1,167 @@
+"""The kernels' parameter structs, each written once, as a field list.
+
+A kernel takes one struct by value (`const __grid_constant__`), with the variant's ModArgs last.
+From each list come both the C declaration the templates paste (through `cfg.params`, see
+render.derived_constants: templates/common/{fwd,bwd}_params.j2, sm80/bwd_{pre,post}process.cu.j2)
+and the ctypes type the launchers fill (runtime/forward.py, runtime/backward.py). ctypes lays a
+Structure out with the platform C ABI, as NVRTC and nvcc lay out a kernel parameter, so the bytes
+the host fills are the bytes the kernel reads.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+from .cstruct import ctype_of
+
+
+@dataclass(frozen=True)
+class Line:
+    """One declaration: `ctype names...;`, with a comment after it."""
+
+    ctype: str
+    names: tuple[str, ...]
+    comment: str = ""
+
+
+def _line(ctype: str, *names: str, comment: str = "") -> Line:
+    return Line(ctype, names, comment)
+
+
+def _strides(prefix: str, last: str = "l", comment: str = "") -> Line:
+    return Line("long long", tuple(f"{prefix}_stride_{d}" for d in ("b", "h", last)), comment)
+
+
+# A str entry is a comment line above what follows.
+Entry = Line | str
+
+
+def _mask_lists(lists: str, by: str, about: tuple[str, ...]) -> tuple[Entry, ...]:
+    """A block mask's count and index tensors (`lists`: "kv" for the forward's KV-block lists, "q" for
+    the backward's transposed ones) and their strides over b, h and `by`, the blocks they are listed for."""
+    return (*about,
+            _line("const int*", f"{lists}_num_blocks"),
+            _line("const int*", f"{lists}_indices"),
+            _line("const int*", f"full_{lists}_num_blocks", comment="may be null"),
+            _line("const int*", f"full_{lists}_indices"),
+            *(_strides(prefix, by) for prefix in (f"{lists}n", f"{lists}i", f"f{lists}n", f"f{lists}i")))
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: ctypes_type's cache key stays cheap
+class ParamStruct:
+    name: str
+    entries: tuple[Entry, ...]
+
+    @property
+    def lines(self) -> tuple[Line, ...]:
+        return tuple(e for e in self.entries if isinstance(e, Line))
+
+    def declaration(self, dropout: bool = False) -> str:
+        """The C struct, ModArgs last; the dropout members before it in kernels built with dropout."""
+        out = [f"struct {self.name} {{"]
+        for entry in self.entries + (DROPOUT if dropout else ()):
+            if isinstance(entry, str):
+                out.append(f"    // {entry}")
+                continue
+            text = f"    {entry.ctype} {', '.join(entry.names)};"
+            out.append(f"{text:<37} // {entry.comment}" if entry.comment else text)
+        out += ["    ModArgs mod;", "};"]
+        return "\n".join(out)
+
+    def field_names(self, dropout: bool = False) -> list[str]:
+        return [n for line in self.lines + (_lines(DROPOUT) if dropout else ()) for n in line.names]
+
+    @functools.lru_cache(maxsize=None)
+    def ctypes_type(self, mod_args_type: type, dropout: bool = False) -> type:
+        """The ctypes mirror for one ModArgs layout (and the dropout members, if built with them)."""
+        lines = self.lines + (_lines(DROPOUT) if dropout else ())
+        fields = [(n, ctype_of(line.ctype)) for line in lines for n in line.names] + [("mod", mod_args_type)]
+        return type(self.name, (ctypes.Structure,), {"_fields_": fields})
+
+
+def _lines(entries: tuple[Entry, ...]) -> tuple[Line, ...]:
+    return tuple(e for e in entries if isinstance(e, Line))
+
+
+# Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
+DROPOUT: tuple[Entry, ...] = (
+    "Dropout (common/philox.cuh): keep an element iff its Philox word >= dropout_threshold; the",
+    "backward draws the same words again.",
+    _line("unsigned long long", "philox_seed", "philox_offset"),
+    _line("float", "dropout_p"),
+    _line("unsigned", "dropout_threshold", comment="round(dropout_p * 2^32)"),
+    _line("float", "dropout_scale", comment="1 / (1 - dropout_p)"),
+)
+
+# The inputs (pointers each: one declaration per line) and the score scale, in both main kernels.
+_QKV = (_line("const half_bits*", "q"), _line("const half_bits*", "k"), _line("const half_bits*", "v"))
+_SCALES = (_line("float", "scale", comment="applied to q.k before score_mod"),
+           _line("float", "scale_log2", comment="scale * log2(e), used when there is no score_mod"))
+
+# The forward kernels' parameter (both families).
+FWD_PARAMS = ParamStruct("FwdParams", (
+    *_QKV,
+    _line("half_bits*", "o"),
+    _line("float*", "lse", comment="(B, H, q_len), natural log"),
+    _strides("q"), _strides("k"), _strides("v"), _strides("o"),
+    _line("int", "q_len", "kv_len", "num_heads", "kv_group", comment="kv_group = query heads per KV head (GQA)"),
+    *_SCALES,
+    *_mask_lists("kv", "q", ("Block mask in PyTorch's layout: per (b, h, q block) a count and a list of KV blocks,",
+                             "\"partial\" ones (mask_mod applies) and \"full\" ones (it does not). A zero stride broadcasts.")),
+    _line("int", "has_block_mask", comment="0: every KV tile is visited, as a full tile"),
+    _line("int", "mask_q_block", "mask_kv_block", comment="block-mask granularity in tokens"),
+    _line("int", "batch", comment="B (the sm90 forward walks B x H x query tiles, sm90/work_order.cuh)"),
+    _line("int", "head_chunk", comment="sm90: (batch, head) pairs whose tiles interleave (their K/V fit in L2)"),
+    _line("const int*", "m_order", comment="sm90: query tiles heaviest first (null: later ones are heavier)"),
+    _line("int*", "tile_counter", comment="sm90: work tiles drawn so far; zero between launches"),
+))
+
+# The main backward kernel's parameter (both families).
+BWD_PARAMS = ParamStruct("BwdParams", (
+    *_QKV,
+    _line("const half_bits*", "dout", comment="dO, same layout rules as q"),
+    _line("const float*", "lse", comment="(B, H, q_len) from the forward, natural log; -inf: row saw nothing"),
+    _line("const float*", "delta", comment="(B, H, q_len): rowsum(dO * O), from bwd_preprocess"),
+    _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, not yet scaled; null: dQ not wanted"),
+    _line("half_bits*", "dk", comment="(B, H_kv, kv_len, D); null: not wanted"),
+    _line("half_bits*", "dv", comment="(B, H_kv, kv_len, D); null: not wanted"),
+    _strides("q"), _strides("k"), _strides("v"), _strides("do"), _strides("dk"), _strides("dv"),
+    _line("long long", "dq_split_stride",
+          comment="elements between the dQ partials of two splits (deterministic mode)"),
+    _line("long long", "grad_slot_stride",
+          comment="deterministic mode: elements between two warps' copies of the buffer gradients"),
+    _line("int", "q_len", "kv_len", "num_heads", "kv_group",
+          comment="num_heads = query heads; kv_group = query heads per KV head"),
+    *_SCALES,
+    *_mask_lists("q", "kv", ("The block mask's transposed lists: per (b, h, KV block) a count and a list of query",
+                             "blocks, \"partial\" ones (mask_mod applies) and \"full\" ones. A zero stride broadcasts.")),
+    _line("int", "has_block_mask", comment="0: every query tile is visited, as a full tile"),
+    _line("int", "mask_q_block", "mask_kv_block", comment="block-mask granularity in tokens"),
+    _line("int", "num_kv_tiles", comment="CTA x handles KV tiles x, x + gridDim.x, ... (one, unless deterministic)"),
+    _line("int", "persistent", comment="sm90: a 1-D grid; CTA x walks work tiles x, x + gridDim.x, ... of"),
+    _line("int", "batch", "kv_heads", comment="  (KV tile, KV head, batch), the KV tile fastest"),
+))
+
+# sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O), and a zeroed dQ accumulator.
+BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (
+    _line("const half_bits*", "o", comment="forward output (B, H, q_len, D)"),
+    _line("const half_bits*", "dout", comment="its gradient, same shape"),
+    _line("float*", "delta", comment="(B, H, q_len) out"),
+    _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, zeroed here; null: dQ not wanted"),
+    _strides("o"), _strides("do"),
+    _line("long long", "dq_split_stride", comment="elements between two splits' dQ partials"),
+    _line("int", "q_len", "num_heads", "num_splits"),
+))
+
+# sm80/bwd_postprocess.cu.j2: dQ = scale * the sum of the accumulator's partials, in the input dtype.
+BWD_POST_PARAMS = ParamStruct("BwdPostParams", (
+    _line("const float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, unscaled"),
+    _line("half_bits*", "dq", comment="(B, H, q_len, D) out"),
+    _strides("dq"),
+    _line("long long", "dq_split_stride", comment="elements between two splits' partials"),
+    _line("int", "q_len", "num_heads", "num_splits"),
+    _line("float", "scale"),
+))
+
+PARAM_STRUCTS = {s.name: s for s in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, BWD_POST_PARAMS)}

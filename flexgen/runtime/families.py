@@ -1,0 +1,231 @@
+"""The template families, one object each: which kernels a family has (templates/<name>/<kind>.cu.j2),
+what it supports, which tile it runs, how it is launched, and why it refuses a call.
+
+Every decision of the form "which family" is made here; the planner (plan.py) asks `choose`, the
+launchers ask `of(spec)`, render.py only reads `spec.family`. Adding a family is adding one object to
+FAMILIES (and its templates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arch import capability, shared_memory_limit
+from ..codegen.spec import HEAD_DIMS, KernelSpec
+from . import bwd_tiles
+
+TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel a caller wants, as a family sees it."""
+
+    kind: str
+    arch: str
+    head_dim: int
+    dtype: str
+    dropout: bool = False
+    buffer_grads: bool = False  # a backward that accumulates score_mod buffer gradients
+    score_loads_per_element: bool = False  # score_mod reads a different buffer element for every score
+    tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
+    mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
+
+
+# A tile table row: (max head dim, (block_m, block_n, num_warps, num_stages)); the first row whose max head
+# dim is at least the call's wins.
+Rows = tuple[tuple[int, tuple[int, int, int, int]], ...]
+
+
+def _row(rows: Rows, head_dim: int) -> tuple[int, int, int, int] | None:
+    return next((tile for max_d, tile in rows if head_dim <= max_d), None)
+
+
+class Family:
+    name: str
+    kinds: tuple[str, ...]  # the kernels it has: templates/<name>/<kind>.cu.j2
+    head_dims: tuple[int, ...]
+    dtypes: tuple[str, ...] = ("bf16", "fp16")
+    producer_threads = 0  # threads beside the num_warps consumer warps of the main kernels
+
+    def arch_refusal(self, arch: str) -> str | None:
+        """Why this family's kernels do not run on `arch` (None: they do)."""
+        raise NotImplementedError
+
+    def refusal(self, call: Call) -> str | None:
+        """Why this family cannot run `call` (None: it can)."""
+        if call.kind not in self.kinds:
+            return f"it has only {self.kinds} kernels, not {call.kind!r}"
+        why = self.arch_refusal(call.arch)
+        if why is not None:
+            return why
+        if call.head_dim not in self.head_dims:
+            return f"head dim {call.head_dim} is not one of {self.head_dims}"
+        if call.dtype not in self.dtypes:
+            return f"dtype {call.dtype} is not one of {self.dtypes}"
+        return self._refusal(call)
+
+    def _refusal(self, call: Call) -> str | None:
+        return None
+
+    def tiles(self, call: Call) -> dict:
+        """block_m, block_n, num_warps, num_stages of the kernel for `call` (which it does not refuse)."""
+        raise NotImplementedError
+
+    def threads_per_cta(self, spec: KernelSpec) -> int:
+        return 32 * spec.num_warps + self.producer_threads
+
+    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:
+        """The forward's grid, one CTA per query tile; fills the FwdParams fields the family's schedule reads."""
+        batch, heads, q_len, _ = q.shape
+        return (-(-q_len // spec.block_m), heads, batch)
+
+    def backward_grid(self, spec: KernelSpec, p, k, num_kv_tiles: int, splits: int) -> tuple:
+        """The main backward kernel's grid: one CTA per KV tile, or `splits` per (batch, KV head) in
+        deterministic mode; fills the BwdParams fields the family's schedule reads."""
+        return (splits if spec.deterministic else num_kv_tiles, k.shape[1], k.shape[0])
+
+
+class SM80(Family):
+    """mma.sync, cp.async, ldmatrix: every GPU from sm_80 on, every kernel kind."""
+
+    name = "sm80"
+    kinds = ("fwd", "bwd", "bwd_preprocess", "bwd_postprocess")
+    head_dims = HEAD_DIMS
+    FWD: Rows = ((64, (128, 64, 4, 2)),
+                 (96, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
+                 (128, (128, 64, 4, 1)),  # one K/V stage
+                 (256, (64, 32, 4, 2)))  # 64 x 64 double-buffered spills at D=256
+    BWD: Rows = ((128, (64, 128, 8, 2)),  # FlashAttention-2's tile: 32 x 32 to 32 x 64 per warp in all five products
+                 (256, (64, 64, 8, 2)))
+    # Kernels that hold extra state next to the tile (dropout's Philox state, the backward's buffer-gradient
+    # addresses and sums): where the default sits at the register limit, a smaller tile, so that they compile
+    # without spills. Head dims past their rows take FWD's and BWD's.
+    FWD_LEAN: Rows = ((64, (128, 64, 4, 2)),
+                      (128, (128, 64, 8, 2)))  # one 16-row MMA tile per warp
+    BWD_LEAN: Rows = ((32, (64, 128, 8, 2)),  # (64 x 64 at D=32 makes ptxas stop at 128 registers and spill)
+                      (128, (64, 64, 8, 2)),  # half the dK, dV registers of BWD's tile
+                      (256, (32, 64, 8, 2)))
+    PRE_POST = (64, 64, 4, 1)  # bwd_preprocess, bwd_postprocess: 64 rows per CTA, 4 warps
+    # A score_mod that loads a different buffer element for every score (relative bias tables) needs address
+    # registers next to the 128 x 64 tile's O and S, which then spills: such forward kernels take 32-column
+    # KV tiles instead.
+    SCORE_LOAD_BLOCK_N = 32
+
+    def arch_refusal(self, arch: str) -> str | None:
+        return None if capability(arch) >= (8, 0) else f"it needs sm_80 or newer, not {arch}"
+
+    def tiles(self, call: Call) -> dict:
+        lean = call.dropout or call.buffer_grads
+        if call.kind == "fwd":
+            tile = (lean and _row(self.FWD_LEAN, call.head_dim)) or _row(self.FWD, call.head_dim)
+        elif call.kind == "bwd":
+            tile = (lean and _row(self.BWD_LEAN, call.head_dim)) or _row(self.BWD, call.head_dim)
+        else:
+            tile = self.PRE_POST
+        cfg = dict(zip(TILE_FIELDS, tile))
+        if call.kind == "fwd" and call.score_loads_per_element:
+            cfg["block_n"] = min(cfg["block_n"], self.SCORE_LOAD_BLOCK_N)
+        cfg.update(call.tiles)
+        if call.kind == "bwd":  # num_warps is an upper bound; tiles shrink to divide mask blocks and fit
+            cfg = bwd_tiles.fit(call.head_dim, cfg, call.mask_block, shared_memory_limit(call.arch), call.arch)
+        return cfg
+
+    def shared_memory_estimate(self, spec: KernelSpec) -> int:
+        """The backward's shared memory before it is compiled (the tile search's measure)."""
+        return bwd_tiles.shared_memory_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages)
+
+
+class SM90(Family):
+    """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward and the
+    main backward kernel, head dims 64 and 128, no dropout; the backward without buffer gradients. Its
+    tiles are fixed."""
+
+    name = "sm90"
+    kinds = ("fwd", "bwd")
+    head_dims = (64, 128)
+    producer_threads = 128
+    FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
+    FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
+    BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
+
+    def arch_refusal(self, arch: str) -> str | None:
+        return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
+
+    def _refusal(self, call: Call) -> str | None:
+        if call.dropout:
+            return "it has no dropout"
+        if call.buffer_grads:
+            return "it computes no score_mod buffer gradients"
+        if call.tiles:
+            return ("its tiles are fixed; BLOCK_M / BLOCK_N / num_warps / num_stages and BLOCK_M1 / BLOCK_N1 / "
+                    "num_warps1 are sm80 tile choices")
+        tile = self.tiles(call)
+        if call.mask_block is not None and (call.mask_block[0] % tile["block_m"] or call.mask_block[1] % tile["block_n"]):
+            return f"block mask BLOCK_SIZE {tuple(call.mask_block)} is not a multiple of its tile " \
+                   f"{(tile['block_m'], tile['block_n'])}"
+        return None
+
+    def tiles(self, call: Call) -> dict:
+        cfg = dict(zip(TILE_FIELDS, self.FWD if call.kind == "fwd" else self.BWD))
+        if call.kind == "fwd" and call.score_loads_per_element:
+            cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
+        return cfg
+
+    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:
+        # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh: the
+        # grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
+        # kernel_options={"persistent": False} launches one CTA per work tile.
+        from .schedule import head_chunk, l2_bytes, query_tile_order, sm_count, tile_counter
+
+        batch, heads, q_len, d = q.shape
+        work = -(-q_len // spec.block_m) * heads * batch
+        if block_mask is not None:
+            p.m_order = query_tile_order(block_mask, spec.block_m).data_ptr()
+        p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device))
+        p.tile_counter = tile_counter(stream).data_ptr()
+        return (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
+
+    def backward_grid(self, spec: KernelSpec, p, k, num_kv_tiles: int, splits: int) -> tuple:
+        if spec.deterministic or not spec.option("persistent", True):
+            return super().backward_grid(spec, p, k, num_kv_tiles, splits)
+        # One CTA per SM walks the work tiles: the next tile's K and V copy behind this one's epilogue.
+        from .schedule import sm_count
+
+        p.persistent = 1
+        return (min(num_kv_tiles * k.shape[1] * k.shape[0], sm_count(k.device)), 1, 1)
+
+
+# In order of preference: a call gets the first family that does not refuse it.
+FAMILIES: tuple[Family, ...] = (SM90(), SM80())
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def named(name: str) -> Family:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"kernel option family={name!r}; allowed: {sorted(_BY_NAME)}") from None
+
+
+def of(spec: KernelSpec) -> Family:
+    """The family of a planned spec."""
+    return _BY_NAME[spec.family]
+
+
+def choose(call: Call, requested: str | None = None) -> Family:
+    """The family that runs `call`: the one requested (an error says why where it cannot), else the first of
+    FAMILIES that does not refuse it."""
+    if requested is not None:
+        family = named(requested)
+        why = family.refusal(call)
+        if why is not None:
+            others = [f.name for f in FAMILIES if f is not family and f.refusal(call) is None]
+            hint = f"; use family={others[0]!r}" if others else ""
+            raise ValueError(f"kernel option family={requested!r}: the {requested} {call.kind} kernel cannot run this "
+                             f"call: {why}{hint}")
+        return family
+    for family in FAMILIES:
+        if family.refusal(call) is None:
+            return family
+    reasons = "; ".join(f"{f.name}: {f.refusal(call)}" for f in FAMILIES)
+    raise ValueError(f"no template family has a {call.kind} kernel for this call ({reasons})")

@@ -1,0 +1,117 @@
+"""Planning: which kernel serves a call, as a KernelSpec.
+
+`plan` is the one planning function: it asks runtime/families.py for the template family and its
+tile and records both in the spec. flex_attention's forward and backward reach it through
+`make_spec` below (from tensors and kernel_options), `flexgen.emit` / `flexgen.compile` and
+`flexgen build` through codegen/api.py's make_spec (from keyword arguments). Both are memoized:
+every step of a model plans again, and the same spec object then hashes once in the kernel cache.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..codegen.spec import KernelSpec
+from ..dsl.ir import Node, has_positional_loads
+from ..dsl.mod import Mod
+from .families import TILE_FIELDS, Call, choose
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# kernel_options under PyTorch's names. The forward's tile: BLOCK_M query rows, BLOCK_N key rows, num_warps,
+# num_stages (2: K and V double-buffered).
+FWD_TILE_OPTIONS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+# The backward's tile: query rows (BLOCK_M1) per step of a KV tile of BLOCK_N1 rows; num_warps1 (flexgen's):
+# the backward's warps per CTA, at most (fewer if the tile's warp layout needs).
+BWD_TILE_OPTIONS = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
+# deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod;
+# pingpong: the sm90 forward's warpgroup turns (default on); persistent: the sm90 grids of one CTA per SM
+# (default on). All but deterministic (a spec field) become spec options.
+FLAG_OPTIONS = ("deterministic", "precise_math", "pingpong", "persistent")
+KNOWN_OPTIONS = sorted(FWD_TILE_OPTIONS) + sorted(BWD_TILE_OPTIONS) + sorted(FLAG_OPTIONS) + ["family"]
+
+
+def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | None = None, mask_expr: Node | None = None,
+         *, family: str | None = None, tiles: tuple[tuple[str, int], ...] = (), dropout: bool = False,
+         grad_buffers: tuple[str, ...] = (), deterministic: bool = False, debug: bool = False,
+         mask_block: tuple[int, int] | None = None, extra: tuple[tuple[str, object], ...] = ()) -> KernelSpec:
+    """The spec of one kernel. `arch` is a normalized target (flexgen.arch); `family` the family asked for
+    (None: the first that takes the call); `tiles` the tile fields the caller fixed, as sorted pairs;
+    `mask_block` the block mask's BLOCK_SIZE, which the tile must divide; `extra` sorted template options."""
+    args = (kind, arch, head_dim, dtype, score_expr, mask_expr, family, tuple(tiles), dropout, tuple(grad_buffers),
+            deterministic, debug, mask_block, extra)
+    try:
+        hash(args)
+    except TypeError:  # a value that cannot be a key (refused below, or used uncached)
+        return _plan(*args)
+    return _plan_cached(*args)
+
+
+def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dropout, grad_buffers, deterministic,
+          debug, mask_block, extra) -> KernelSpec:
+    unknown = sorted({name for name, _ in tiles} - set(TILE_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")
+    call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
+                score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
+                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block)
+    chosen = choose(call, family)
+    return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
+                      score_expr=score_expr, mask_expr=mask_expr, grad_buffers=grad_buffers, dropout=dropout,
+                      deterministic=deterministic, debug=debug, extra=extra)
+
+
+_plan_cached = functools.lru_cache(maxsize=4096)(_plan)
+
+
+def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
+              dropout: bool = False, grad_buffers: tuple[str, ...] = (),
+              mask_block: tuple[int, int] | None = None) -> KernelSpec:
+    """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
+    dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients
+    and the block mask's BLOCK_SIZE."""
+    options = tuple(sorted((kernel_options or {}).items()))
+    args = (kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
+            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block)
+    try:
+        hash(options)
+    except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
+        return _make_spec(*args)
+    return _make_spec_cached(*args)
+
+
+def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
+               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block) -> KernelSpec:
+    from ..arch import current_arch
+
+    options = dict(kernel_options)
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise ValueError(f"flex_attention: unknown kernel_options {unknown}; known: {KNOWN_OPTIONS}")
+    backward_tiles = bwd_tile_overrides(options)  # checked by every call, before any launch
+    if kind == "fwd":
+        tiles = {field: int(options[name]) for name, field in FWD_TILE_OPTIONS.items() if name in options}
+    else:
+        tiles = backward_tiles if kind == "bwd" else {}
+    flags = tuple(sorted((k, bool(v)) for k, v in options.items() if k in FLAG_OPTIONS and k != "deterministic"))
+    return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
+                family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
+                grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
+                mask_block=mask_block, extra=flags)
+
+
+_make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)
+
+
+def bwd_tile_overrides(kernel_options: dict | None) -> dict:
+    """kernel_options BLOCK_M1 / BLOCK_N1 / num_warps1 as backward tile fields."""
+    options = kernel_options or {}
+    out = {}
+    for name, field in BWD_TILE_OPTIONS.items():
+        if name not in options:
+            continue
+        allowed = (16, 32, 64, 128, 256) if field != "num_warps" else (1, 2, 4, 8, 16)
+        if isinstance(options[name], bool) or options[name] not in allowed:
+            raise ValueError(f"flex_attention: kernel_options {name}={options[name]!r}; allowed values are {allowed}")
+        out[field] = int(options[name])
+    return out

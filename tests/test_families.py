@@ -1,0 +1,149 @@
+"""The template families (flexgen/runtime/families.py) and the one planning function: what each family
+takes and refuses, that every kind a family claims has a template, that flex_attention, emit and
+`flexgen build` plan the same spec, and that the sm80 family serves Blackwell and later targets."""
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+import flexgen.arch
+from flexgen import variants as V
+from flexgen.cache.build import expand
+from flexgen.codegen.api import make_spec as emit_spec
+from flexgen.codegen.render import available_templates
+from flexgen.runtime import families, plan as planning
+from flexgen.runtime.families import FAMILIES, Call, choose
+
+needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cupy_backends") is None, reason="NVRTC (cupy) is not installed")
+
+
+def test_every_kind_a_family_claims_has_a_template():
+    have = set(available_templates())
+    for family in FAMILIES:
+        for kind in family.kinds:
+            assert f"{family.name}/{kind}.cu.j2" in have, (family.name, kind)
+    assert [f.name for f in FAMILIES] == ["sm90", "sm80"]  # preference order: Hopper's where it applies
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_100a", "sm_103", "sm_110",
+                                  "sm_120", "sm_121a"])
+def test_sm80_serves_every_target_and_kind(arch):
+    sm80 = families.named("sm80")
+    for kind in ("fwd", "bwd", "bwd_preprocess", "bwd_postprocess"):
+        for head_dim in (32, 64, 96, 128, 256):
+            assert sm80.refusal(Call(kind, arch, head_dim, "bf16", dropout=True, buffer_grads=True)) is None
+    expected = "sm90" if arch == "sm_90a" else "sm80"
+    assert choose(Call("fwd", arch, 128, "bf16")).name == expected
+
+
+@pytest.mark.parametrize("call,reason", [
+    (Call("bwd_preprocess", "sm_90a", 128, "bf16"), r"only \('fwd', 'bwd'\) kernels"),
+    (Call("fwd", "sm_80", 128, "bf16"), "needs arch sm_90a"),
+    (Call("fwd", "sm_100a", 128, "bf16"), "needs arch sm_90a"),
+    (Call("fwd", "sm_90a", 96, "bf16"), "head dim 96"),
+    (Call("fwd", "sm_90a", 128, "fp32"), "dtype fp32"),
+    (Call("fwd", "sm_90a", 128, "bf16", dropout=True), "no dropout"),
+    (Call("bwd", "sm_90a", 128, "bf16", buffer_grads=True), "buffer gradients"),
+    (Call("fwd", "sm_90a", 128, "bf16", tiles=(("num_warps", 8),)), "tiles are fixed"),
+    (Call("fwd", "sm_90a", 128, "bf16", mask_block=(64, 128)), r"not a multiple of its tile \(128, 128\)"),
+    (Call("bwd", "sm_90a", 128, "bf16", mask_block=(128, 64)), r"not a multiple of its tile \(64, 128\)"),
+], ids=lambda x: x if isinstance(x, str) else x.kind)
+def test_sm90_refusals(call, reason):
+    why = families.named("sm90").refusal(call)
+    assert why is not None and re.search(reason, why), why
+    if call.dtype == "bf16" and call.head_dim in (32, 64, 96, 128, 256):
+        assert choose(call).name == "sm80"  # the base family takes what sm90 refuses
+    with pytest.raises(ValueError, match="kernel option family='sm90'"):
+        choose(call, "sm90")
+
+
+def test_sm90_takes_what_it_covers():
+    sm90 = families.named("sm90")
+    for kind in ("fwd", "bwd"):
+        for head_dim in (64, 128):
+            for dtype in ("bf16", "fp16"):
+                assert sm90.refusal(Call(kind, "sm_90a", head_dim, dtype, mask_block=(256, 256))) is None
+
+
+def test_no_family_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"no template family .* head dim 48"):
+        choose(Call("fwd", "sm_80", 48, "bf16"))
+    with pytest.raises(ValueError, match=r"family='sm70'; allowed: \['sm80', 'sm90'\]"):
+        choose(Call("fwd", "sm_80", 64, "bf16"), "sm70")
+
+
+def test_threads_and_grids():
+    q = torch.empty(2, 6, 1000, 128, device="meta")
+    k = torch.empty(2, 3, 700, 128, device="meta")
+    sm80_fwd = planning.plan("fwd", "sm_80", 128, "bf16")
+    assert families.of(sm80_fwd).threads_per_cta(sm80_fwd) == 32 * sm80_fwd.num_warps
+    assert families.of(sm80_fwd).forward_grid(sm80_fwd, None, q, k, None, None) == (-(-1000 // sm80_fwd.block_m), 6, 2)
+    sm90_bwd = planning.plan("bwd", "sm_90a", 128, "bf16", extra=(("persistent", False),))
+    family = families.of(sm90_bwd)
+    assert family.name == "sm90" and family.threads_per_cta(sm90_bwd) == 3 * 128  # a producer warpgroup beside two
+    assert family.backward_grid(sm90_bwd, None, k, 6, 1) == (6, 3, 2)  # one CTA per KV tile without persistence
+    deterministic = sm90_bwd.with_(deterministic=True, extra=())
+    assert family.backward_grid(deterministic, None, k, 6, 4) == (4, 3, 2)  # `splits` CTAs per (batch, KV head)
+
+
+@pytest.mark.parametrize("kind,options,emit_options", [
+    ("fwd", None, {}),
+    ("fwd", {"family": "sm80"}, {"family": "sm80"}),
+    ("fwd", {"BLOCK_N": 32, "num_warps": 4}, {"block_n": 32, "num_warps": 4}),
+    ("fwd", {"precise_math": True}, {"precise_math": True}),
+    ("bwd", None, {}),
+    ("bwd", {"deterministic": True}, {"deterministic": True}),
+    ("bwd", {"BLOCK_M1": 32, "num_warps1": 4}, {"block_m": 32, "num_warps": 4}),
+    ("bwd_preprocess", None, {}),
+], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_flex_attention_and_emit_plan_the_same_kernel(monkeypatch, kind, options, emit_options, head_dim):
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")  # a CPU tensor stands in
+    query = torch.empty(1, 2, 8, head_dim, dtype=torch.float16)
+    score, mask = V.softcap(30.0), V.causal
+    by_call = planning.make_spec(kind, query, score, mask, options)
+    by_emit = emit_spec(kind, score, mask, head_dim=head_dim, dtype="fp16", arch="sm_90a", **emit_options)
+    assert by_call == by_emit
+    assert by_call is by_emit  # one memoized plan: the kernel cache hashes the spec once
+    [by_build] = expand(dict(score_mod=score, mask_mod=mask, head_dim=head_dim, dtype="fp16", kinds=(kind,),
+                             **emit_options), ["sm_90a"])
+    assert by_build == by_call
+
+
+def test_backward_plans_with_what_the_call_has(monkeypatch):
+    """Buffer gradients and the block mask's blocks reach the plan; emit takes the same."""
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")
+    query = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
+    score = V.alibi(torch.ones(2))
+    spec = planning.make_spec("bwd", query, score, V.causal, None, grad_buffers=("alibi_slopes",))
+    assert spec.family == "sm80" and spec.grad_buffers == ("alibi_slopes",)
+    assert spec == emit_spec("bwd", score, V.causal, head_dim=128, arch="sm_90a", grad_buffers=("alibi_slopes",))
+    small_blocks = planning.make_spec("bwd", query, None, V.causal, None, mask_block=(32, 64))
+    assert small_blocks.family == "sm80" and (small_blocks.block_m, small_blocks.block_n) == (32, 64)
+    assert planning.make_spec("bwd", query, None, V.causal, None, mask_block=(128, 128)).family == "sm90"
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        planning.make_spec("bwd", query, None, V.causal, {"family": "sm90"}, mask_block=(32, 64))
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_120"])
+def test_sm80_kernels_compile_for_blackwell_and_later(arch):
+    """NVRTC compiles the sm80 family's forward and backward for these targets; the backward's tile fits
+    the target's shared memory, and the estimate the tile search used is what the kernel exports."""
+    from flexgen.cache import jit
+    from flexgen.cache.ptxas import has_spills
+    from flexgen.runtime.kernel_symbols import shared_memory_bytes
+
+    for kind in ("fwd", "bwd"):
+        spec = emit_spec(kind, V.softcap(30.0), V.causal, head_dim=64, arch=arch)
+        assert spec.family == "sm80" and spec.arch == arch
+        kernel = jit.get_kernel(spec)
+        assert kernel.cubin[:4] == b"\x7fELF" and f"--gpu-architecture={arch}" in kernel.flags
+        assert not has_spills(kernel.resources), f"{kind} on {arch}: {kernel.resources}"
+        assert shared_memory_bytes(kernel) <= flexgen.arch.shared_memory_limit(arch)
+        if kind == "bwd":
+            assert shared_memory_bytes(kernel) == families.of(spec).shared_memory_estimate(spec)
