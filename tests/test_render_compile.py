@@ -3,7 +3,9 @@ the fixture kernel compiles with each backend, errors are clear, and (on a GPU) 
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import importlib.util
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,20 @@ def test_compile_error_has_log_and_saved_source():
     assert "this line is not C++" in msg and "error" in msg  # the compiler log
     saved = Path(err.value.source_path)
     assert saved.exists() and str(saved) in msg and "this line is not C++" in saved.read_text()
+
+
+def test_template_tree_holds_only_packaged_files():
+    """Everything under flexgen/templates ships with the package (pyproject's package-data), and is a
+    template or a header: probes and scratch sources live elsewhere (benchmarks/probes)."""
+    root = Path(flexgen.__file__).parent
+    project = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    globs = [g.replace("**/", "*") for g in project["tool"]["setuptools"]["package-data"]["flexgen"]]
+    files = [f.relative_to(root).as_posix() for f in (root / "templates").rglob("*") if f.is_file()]
+    files = [f for f in files if "__pycache__" not in f]
+    assert files, "no templates found"
+    unpackaged = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert not unpackaged, f"files under templates/ that the package would not ship: {unpackaged}"
+    assert all(f.endswith((".j2", ".cuh")) for f in files), [f for f in files if not f.endswith((".j2", ".cuh"))]
 
 
 def test_missing_template_lists_what_exists():

@@ -1,6 +1,6 @@
 """Probe for the sm_90a wgmma building blocks (flexgen/templates/sm90/wgmma.cuh).
 
-Compiles flexgen/templates/sm90/wgmma_probe.cu with NVRTC for sm_90a and, on a Hopper GPU,
+Compiles wgmma_probe.cu (beside this script) with NVRTC for sm_90a and, on a Hopper GPU,
 runs C = A @ B.T (A, B: 64 x K bf16, C: 64 x 64 fp32) for each shared-memory layout, and
 C = P @ V with P from registers and V MN-major (the forward's O += P V), and compares with torch. Checks at once: the matrix descriptors (start address, LBO, SBO, swizzle
 bits), the 128-byte-swizzled and the non-swizzled operand layouts, the fence / commit / wait
@@ -27,6 +27,7 @@ from flexgen.cache import nvrtc  # noqa: E402
 from flexgen.cache.ptxas import parse_resources  # noqa: E402
 
 SM90 = ROOT / "flexgen" / "templates" / "sm90"
+PROBE_SOURCE = Path(__file__).with_name("wgmma_probe.cu")
 FLAGS = ["--gpu-architecture=sm_90a", "-std=c++17", "-default-device", "--ptxas-options=-v"]
 TOLERANCE = 1e-2  # max |C - ref| / max |ref|; bf16 inputs are exact in fp32, so real errors are ~1e-6
 
@@ -55,7 +56,7 @@ MODES = {
 
 def source() -> str:
     header = (SM90 / "wgmma.cuh").read_text().replace("#pragma once\n", "")
-    return header + "\n" + (SM90 / "wgmma_probe.cu").read_text()
+    return header + "\n" + PROBE_SOURCE.read_text()
 
 
 def compile_probe():
