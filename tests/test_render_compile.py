@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import importlib.util
+import re
 import tomllib
 from pathlib import Path
 
@@ -124,6 +125,41 @@ def test_template_tree_holds_only_packaged_files():
     unpackaged = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not unpackaged, f"files under templates/ that the package would not ship: {unpackaged}"
     assert all(f.endswith((".j2", ".cuh")) for f in files), [f for f in files if not f.endswith((".j2", ".cuh"))]
+
+
+KERNEL_TEMPLATES = ["sm80/fwd.cu.j2", "sm80/bwd.cu.j2", "sm90/fwd.cu.j2", "sm90/bwd.cu.j2"]
+
+
+@pytest.mark.parametrize("template", KERNEL_TEMPLATES)
+def test_kernels_reach_the_variant_only_through_the_common_step(template):
+    """The per-element variant step, the mask-bit builder and the tile-kind dispatch live in
+    common/variant_step.j2; a kernel template that calls the user's mods itself has grown its own."""
+    root = Path(flexgen.__file__).parent / "templates"
+    code = "\n".join(line.split("//")[0] for line in (root / template).read_text().splitlines())
+    assert '{% import "common/variant_step.j2" as variant %}' in code
+    for call in ("score_mod(", "mask_mod(", "score_mod_bwd("):
+        assert call not in code, f"{template} calls {call[:-1]} outside common/variant_step.j2"
+    for macro in ("variant.mask_bits(", "variant.dispatch_tile(", "variant.fwd_score(" if "fwd" in template
+                  else "variant.bwd_prob("):
+        assert macro in code, f"{template} does not use {macro[:-1]}"
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_emitted_kernel_shows_the_users_variant_inline(family, kind):
+    """The macros expand into the kernel's own loops: the emitted source calls score_mod and mask_mod
+    (a buffer-reading mask: also in the mask-bit builder), and the four kinds of tile are spelled out."""
+    score = flexgen.score_mod("score + alibi_slopes[h] * (kv_idx - q_idx)", alibi_slopes=torch.ones(4))
+    mask = flexgen.mask_mod("doc_ids[q_idx] == doc_ids[kv_idx]", doc_ids=torch.zeros(64, dtype=torch.int32))
+    text = flexgen.emit(kind, score, mask, head_dim=64, arch="sm_90a", family=family)
+    assert "// mask_mod: doc_ids[q_idx] == doc_ids[kv_idx]" in text
+    body = text[text.index("// ---------------------------------------------------------------- compile-time shape"):]
+    body = "\n".join(line.split("//")[0] for line in body.splitlines())  # the code, not its comments
+    assert len(re.findall(r"\bscore_mod\(x\b", body)) == 1 and body.count("mask_mod(b, h, ") == 2
+    assert len(re.findall(r"\bscore_mod_bwd\(x\b", body)) == (kind == "bwd")
+    for kinds in ("<true, true>", "<true, false>", "<false, true>", "<false, false>"):
+        assert kinds in body
+    assert not re.search(r"\{\{|\{%-?\s|\{#", text), "Jinja syntax left in the emitted source"
 
 
 def test_missing_template_lists_what_exists():

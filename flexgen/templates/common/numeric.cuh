@@ -1,9 +1,12 @@
-// Values in registers, for every kernel: 16-bit values as raw bits and their conversions, the
-// hardware exp2, and the reductions over the four lanes that share a row of an MMA accumulator.
+// Values in registers, for every kernel: 16-bit values as raw bits and their conversions, infinities,
+// the hardware exp2, and the reductions over the four lanes that share a row of an MMA accumulator.
 // No CUDA headers: 16-bit values travel as raw bits, so NVRTC needs no include path.
 #pragma once
 
 typedef unsigned short half_bits;  // raw bf16 / fp16 bits in memory
+
+#define FLEXGEN_NEG_INF (-__int_as_float(0x7f800000))
+#define FLEXGEN_POS_INF (__int_as_float(0x7f800000))
 
 // Two floats -> one register of two 16-bit values (lo in the low half), round to nearest even.
 template <bool kBF16>
