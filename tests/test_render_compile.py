@@ -144,6 +144,14 @@ def test_kernels_reach_the_variant_only_through_the_common_step(template):
         assert macro in code, f"{template} does not use {macro[:-1]}"
 
 
+@pytest.mark.parametrize("template", [t for t in KERNEL_TEMPLATES if t.startswith("sm90/")])
+def test_sm90_kernels_take_their_wgmma_from_the_one_emitter(template):
+    root = Path(flexgen.__file__).parent / "templates"
+    source = (root / template).read_text()
+    assert '{% import "sm90/wgmma_mma.j2" as wgmma %}' in source and "wgmma.mma(" in source
+    assert "wgmma.mma_async" not in source, f"{template} writes its own wgmma.mma_async"
+
+
 @pytest.mark.parametrize("family", ["sm80", "sm90"])
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 def test_emitted_kernel_shows_the_users_variant_inline(family, kind):
