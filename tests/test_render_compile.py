@@ -3,7 +3,10 @@ the fixture kernel compiles with each backend, errors are clear, and (on a GPU) 
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import importlib.util
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -108,6 +111,63 @@ def test_compile_error_has_log_and_saved_source():
     assert "this line is not C++" in msg and "error" in msg  # the compiler log
     saved = Path(err.value.source_path)
     assert saved.exists() and str(saved) in msg and "this line is not C++" in saved.read_text()
+
+
+def test_template_tree_holds_only_packaged_files():
+    """Everything under flexgen/templates ships with the package (pyproject's package-data), and is a
+    template or a header: probes and scratch sources live elsewhere (benchmarks/probes)."""
+    root = Path(flexgen.__file__).parent
+    project = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    globs = [g.replace("**/", "*") for g in project["tool"]["setuptools"]["package-data"]["flexgen"]]
+    files = [f.relative_to(root).as_posix() for f in (root / "templates").rglob("*") if f.is_file()]
+    files = [f for f in files if "__pycache__" not in f]
+    assert files, "no templates found"
+    unpackaged = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert not unpackaged, f"files under templates/ that the package would not ship: {unpackaged}"
+    assert all(f.endswith((".j2", ".cuh")) for f in files), [f for f in files if not f.endswith((".j2", ".cuh"))]
+
+
+KERNEL_TEMPLATES = ["sm80/fwd.cu.j2", "sm80/bwd.cu.j2", "sm90/fwd.cu.j2", "sm90/bwd.cu.j2"]
+
+
+@pytest.mark.parametrize("template", KERNEL_TEMPLATES)
+def test_kernels_reach_the_variant_only_through_the_common_step(template):
+    """The per-element variant step, the mask-bit builder and the tile-kind dispatch live in
+    common/variant_step.j2; a kernel template that calls the user's mods itself has grown its own."""
+    root = Path(flexgen.__file__).parent / "templates"
+    code = "\n".join(line.split("//")[0] for line in (root / template).read_text().splitlines())
+    assert '{% import "common/variant_step.j2" as variant %}' in code
+    for call in ("score_mod(", "mask_mod(", "score_mod_bwd("):
+        assert call not in code, f"{template} calls {call[:-1]} outside common/variant_step.j2"
+    for macro in ("variant.mask_bits(", "variant.dispatch_tile(", "variant.fwd_score(" if "fwd" in template
+                  else "variant.bwd_prob("):
+        assert macro in code, f"{template} does not use {macro[:-1]}"
+
+
+@pytest.mark.parametrize("template", [t for t in KERNEL_TEMPLATES if t.startswith("sm90/")])
+def test_sm90_kernels_take_their_wgmma_from_the_one_emitter(template):
+    root = Path(flexgen.__file__).parent / "templates"
+    source = (root / template).read_text()
+    assert '{% import "sm90/wgmma_mma.j2" as wgmma %}' in source and "wgmma.mma(" in source
+    assert "wgmma.mma_async" not in source, f"{template} writes its own wgmma.mma_async"
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_emitted_kernel_shows_the_users_variant_inline(family, kind):
+    """The macros expand into the kernel's own loops: the emitted source calls score_mod and mask_mod
+    (a buffer-reading mask: also in the mask-bit builder), and the four kinds of tile are spelled out."""
+    score = flexgen.score_mod("score + alibi_slopes[h] * (kv_idx - q_idx)", alibi_slopes=torch.ones(4))
+    mask = flexgen.mask_mod("doc_ids[q_idx] == doc_ids[kv_idx]", doc_ids=torch.zeros(64, dtype=torch.int32))
+    text = flexgen.emit(kind, score, mask, head_dim=64, arch="sm_90a", family=family)
+    assert "// mask_mod: doc_ids[q_idx] == doc_ids[kv_idx]" in text
+    body = text[text.index("// ---------------------------------------------------------------- compile-time shape"):]
+    body = "\n".join(line.split("//")[0] for line in body.splitlines())  # the code, not its comments
+    assert len(re.findall(r"\bscore_mod\(x\b", body)) == 1 and body.count("mask_mod(b, h, ") == 2
+    assert len(re.findall(r"\bscore_mod_bwd\(x\b", body)) == (kind == "bwd")
+    for kinds in ("<true, true>", "<true, false>", "<false, true>", "<false, false>"):
+        assert kinds in body
+    assert not re.search(r"\{\{|\{%-?\s|\{#", text), "Jinja syntax left in the emitted source"
 
 
 def test_missing_template_lists_what_exists():

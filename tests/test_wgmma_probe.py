@@ -56,6 +56,14 @@ def test_ptx_uses_wgmma(probe):
     assert ptx.count(".shared .align 1024") == sum(1 if m.pv else 2 for m in probe.MODES.values())
 
 
+def test_probe_runs_the_kernels_wgmma_wrappers(probe):
+    """The probe's products are the kernels' own (sm90/wgmma_mma.j2), not hand-written copies."""
+    assert "wgmma.mma_async" not in probe.PROBE_SOURCE.read_text()
+    source = probe.source()
+    for name in ("probe_mma_ss_first", "probe_mma_ss", "probe_mma_rs"):
+        assert f"void {name}(" in source
+
+
 @gpu
 @pytest.mark.parametrize("name", ["sw128", "sw128-k128", "none", "pv-mn-sw128"])
 def test_wgmma_matches_torch(probe, compiled, name):

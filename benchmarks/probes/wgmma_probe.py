@@ -1,6 +1,7 @@
-"""Probe for the sm_90a wgmma building blocks (flexgen/templates/sm90/wgmma.cuh).
+"""Probe for the sm_90a wgmma building blocks (flexgen/templates/sm90/wgmma.cuh) and the
+wgmma.mma_async wrappers the kernels emit (flexgen/templates/sm90/wgmma_mma.j2).
 
-Compiles flexgen/templates/sm90/wgmma_probe.cu with NVRTC for sm_90a and, on a Hopper GPU,
+Compiles wgmma_probe.cu (beside this script) with NVRTC for sm_90a and, on a Hopper GPU,
 runs C = A @ B.T (A, B: 64 x K bf16, C: 64 x 64 fp32) for each shared-memory layout, and
 C = P @ V with P from registers and V MN-major (the forward's O += P V), and compares with torch. Checks at once: the matrix descriptors (start address, LBO, SBO, swizzle
 bits), the 128-byte-swizzled and the non-swizzled operand layouts, the fence / commit / wait
@@ -25,8 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from flexgen.cache import nvrtc  # noqa: E402
 from flexgen.cache.ptxas import parse_resources  # noqa: E402
+from flexgen.codegen.render import environment  # noqa: E402
 
 SM90 = ROOT / "flexgen" / "templates" / "sm90"
+PROBE_SOURCE = Path(__file__).with_name("wgmma_probe.cu")
 FLAGS = ["--gpu-architecture=sm_90a", "-std=c++17", "-default-device", "--ptxas-options=-v"]
 TOLERANCE = 1e-2  # max |C - ref| / max |ref|; bf16 inputs are exact in fp32, so real errors are ~1e-6
 
@@ -53,9 +56,18 @@ MODES = {
 }
 
 
+# The probe's products, from the kernels' own emitter: m64n64k16 bf16 with both operands in shared
+# memory (K-major; the first k-step and the accumulating ones) and A in registers, B MN-major.
+WRAPPERS = """{% import "sm90/wgmma_mma.j2" as wgmma %}
+{{ wgmma.mma("probe_mma_ss_first", 64, "bf16", first=true) }}
+{{ wgmma.mma("probe_mma_ss", 64, "bf16") }}
+{{ wgmma.mma("probe_mma_rs", 64, "bf16", a_in_registers=true, b_mn_major=true) }}
+"""
+
+
 def source() -> str:
     header = (SM90 / "wgmma.cuh").read_text().replace("#pragma once\n", "")
-    return header + "\n" + (SM90 / "wgmma_probe.cu").read_text()
+    return header + "\n" + environment().from_string(WRAPPERS).render() + "\n" + PROBE_SOURCE.read_text()
 
 
 def compile_probe():

@@ -1,7 +1,7 @@
 // Shared-memory tiles of the sm90 kernels (forward and backward): matrix descriptors of the
 // 128-byte-swizzled layout (wgmma.cuh: sw128_offset, 64-column panels), the producer warpgroup's
 // tile copy, and the hand-offs between producer and consumers. Needs D and PRODUCER_THREADS from the
-// including kernel, wgmma.cuh, mbarrier.cuh and common/mma_sm80.cuh (cp_async_16).
+// including kernel, wgmma.cuh, mbarrier.cuh, common/numeric.cuh and common/cp_async.cuh.
 #pragma once
 
 constexpr int PANEL_ROW_BYTES = 128;  // one row of a 64-column panel

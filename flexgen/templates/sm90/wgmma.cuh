@@ -1,11 +1,11 @@
 // Warpgroup-level building blocks for sm_90a: shared-memory layouts and matrix descriptors, the
 // wgmma fence / commit / wait sequence, and where the fp32 accumulators sit in the output. The MMA
-// instructions themselves are written per shape where they are used (sm90/fwd.cu.j2 generates
-// them; wgmma_probe.cu has the two the probe runs). No CUDA headers; raw PTX.
+// instructions themselves, one wrapper per shape, are emitted by sm90/wgmma_mma.j2. No CUDA
+// headers; raw PTX.
 //
 // Written from the PTX ISA sections "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"
-// (wgmma.mma_async, the matrix descriptor, the canonical shared-memory layouts). Still
-// unproven on hardware: benchmarks/probes/wgmma_probe.py checks every piece against torch.
+// (wgmma.mma_async, the matrix descriptor, the canonical shared-memory layouts).
+// benchmarks/probes/wgmma_probe.py checks every piece against torch on a Hopper GPU.
 #pragma once
 
 // ------------------------------------------------------------------ shared-memory layouts

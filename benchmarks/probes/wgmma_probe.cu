@@ -1,52 +1,8 @@
 // wgmma probe: C (64 x 64, fp32, row-major) = A (64 x K) * B^T, where A and B are bf16,
 // row-major 64 x K in global memory (B given as B^T: "K-major"). One CTA of one warpgroup
-// (128 threads). benchmarks/probes/wgmma_probe.py prepends wgmma.cuh and compiles this for
-// sm_90a. lbo / sbo are kernel arguments so the probe can also try other descriptor values.
-
-// ------------------------------------------------------------------ the two MMAs the probe runs
-// The 32 fp32 accumulators of an m64n64 wgmma as asm operands %0..%31 (read and written).
-#define PROBE_ACC32(d)                                                                                      \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-
-//
-// D (64 x 64 fp32, 32 registers per thread) = A (64 x 16, desc_a) * B (16 x 64, desc_b, given
-// K-major as 64 x 16) + (scale_d ? D : 0). Both operands come from shared memory.
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_ss(float (&d)[32], unsigned long long desc_a,
-                                                        unsigned long long desc_b, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : PROBE_ACC32(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D (64 x 64 fp32) = A (64 x 16, registers) * B (16 x 64, desc_b) + (scale_d ? D : 0), with B
-// MN-major (N contiguous, imm-trans-b = 1): the O += P V product of the forward. A register
-// fragment a[0..3] is, per warp (rows 16w..16w+15), the mma.sync m16n8k16 A fragment (PTX ISA
-// Figure 148). There is no imm-trans-a operand when A is in registers.
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs_tn(float (&d)[32], const unsigned (&a)[4],
-                                                           unsigned long long desc_b, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
-        "}\n"
-        : PROBE_ACC32(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
+// (128 threads). benchmarks/probes/wgmma_probe.py prepends wgmma.cuh and the kernels' wgmma
+// wrappers (probe_mma_*, from sm90/wgmma_mma.j2) and compiles this for sm_90a. lbo / sbo are
+// kernel arguments so the probe can also try other descriptor values.
 
 template <int kK, bool kSwizzle128>
 __device__ __forceinline__ int probe_offset(int row, int k) {
@@ -100,7 +56,9 @@ __device__ __forceinline__ void probe_body(unsigned short* sA, unsigned short* s
     for (int s = 0; s < kK / 16; ++s) {
         // Start of the 64 x 16 slice [16 s, 16 s + 16): where its row 0, column 16 s lies.
         const unsigned step = 2u * probe_offset<kK, kSwizzle128>(0, 16 * s);
-        wgmma_m64n64k16_bf16_ss(d, wgmma_desc(a0 + step, lbo, sbo, swz), wgmma_desc(b0 + step, lbo, sbo, swz), s > 0);
+        const unsigned long long desc_a = wgmma_desc(a0 + step, lbo, sbo, swz), desc_b = wgmma_desc(b0 + step, lbo, sbo, swz);
+        if (s == 0) probe_mma_ss_first(d, desc_a, desc_b);
+        else probe_mma_ss(d, desc_a, desc_b, 1);
     }
     probe_finish(d, C, tid);
 }
@@ -136,7 +94,7 @@ __device__ __forceinline__ void probe_pv_body(unsigned short* sV, const unsigned
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s)  // K step s: rows [16 s, 16 s + 16) of V, 16 rows * 128 bytes further
-        wgmma_m64n64k16_bf16_rs_tn(d, a[s], wgmma_desc(v0 + s * 16 * 128, lbo, sbo, kSwizzle128B), s > 0);
+        probe_mma_rs(d, a[s], wgmma_desc(v0 + s * 16 * 128, lbo, sbo, kSwizzle128B), s > 0);
     probe_finish(d, C, tid);
 }
 
