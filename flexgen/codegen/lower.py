@@ -160,6 +160,9 @@ def int_literal(value: int, dtype: DType) -> str:
 _UNARY_FLOAT_FN = {
     "exp": "fg_exp", "exp2": "exp2f", "log": "fg_log", "log2": "fg_log2", "sqrt": "sqrtf", "rsqrt": "rsqrtf",
     "tanh": "fg_tanh", "sigmoid": "fg_sigmoid", "sin": "sinf", "cos": "cosf", "erf": "erff",
+    "log1p": "log1pf", "atan": "atanf", "floor": "floorf", "ceil": "ceilf", "trunc": "truncf",
+    "round": "rintf",  # the default rounding mode: half to even, like torch.round
+    "round_to_fp16": "fg_round_fp16", "round_to_bf16": "fg_round_bf16", "isnan": "fg_isnan",
 }
 _INFIX = {"add": "+", "sub": "-", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
           "ne": "!=", "and": "&", "or": "|", "xor": "!="}  # no short-circuit: branch-free masks
@@ -258,6 +261,8 @@ class _Body:
             return f"(!{a[0]})"
         if op == "abs":
             return _call("fabsf", a) if is_float else _call(self._helper("fg_abs"), a)
+        if op == "sign":
+            return _call(self._helper("fg_sign"), a)
         if op in _UNARY_FLOAT_FN:
             fn = _UNARY_FLOAT_FN[op]
             if fn.startswith("fg_"):
@@ -271,6 +276,8 @@ class _Body:
             return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
         if op == "mod":
             return _call(self._helper("fg_fmod_floor" if is_float else "fg_mod"), a)
+        if op == "fmod":
+            return _call("fmodf", a) if is_float else f"({a[0]} % {a[1]})"  # C's remainder is torch.fmod's
         if op == "pow":
             return _call("powf", a)
         if op in ("min", "max"):

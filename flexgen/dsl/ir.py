@@ -39,9 +39,15 @@ INPUT_DTYPES = {
     "kv_idx": DType.INT32,
 }
 
-UNARY_FLOAT_OPS = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf")
-UNARY_OPS = ("neg", "abs", "not") + UNARY_FLOAT_OPS
-ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "pow", "min", "max")
+UNARY_FLOAT_OPS = (
+    "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf", "log1p", "atan",
+)
+# Rounding to an integral value keeps the operand's type (on integers they are the identity).
+ROUNDING_OPS = ("floor", "ceil", "round", "trunc")  # round: half to even, like torch.round
+# A float32 value rounded to float16 / bfloat16 precision (nearest even) and back: x.half().float().
+PRECISION_OPS = ("round_to_fp16", "round_to_bf16")
+UNARY_OPS = ("neg", "abs", "not", "sign", "isnan") + ROUNDING_OPS + UNARY_FLOAT_OPS + PRECISION_OPS
+ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "fmod", "pow", "min", "max")  # fmod: C's, like torch.fmod
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC_OPS = ("and", "or", "xor")
 BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS
@@ -196,8 +202,16 @@ def unary(op: str, x: Node) -> Node:
         if x.dtype is not DType.BOOL:
             raise IRTypeError(f"'~'/not needs a bool operand, got {x.dtype.value}")
         return Node(op, DType.BOOL, (x,))
-    if op in UNARY_FLOAT_OPS:
+    if op in UNARY_FLOAT_OPS or op in PRECISION_OPS:
         return Node(op, DType.FLOAT32, (cast(x, DType.FLOAT32),))
+    if op == "isnan":
+        return Node(op, DType.BOOL, (x,)) if x.dtype.is_float else const(False)
+    if op in ROUNDING_OPS and not x.dtype.is_float:
+        if x.dtype is DType.BOOL:
+            raise IRTypeError(f"{op}() needs a number, got bool")
+        return x
+    if op == "sign" and x.dtype is DType.BOOL:
+        return x  # torch.sign of a bool tensor is the tensor
     if x.dtype is DType.BOOL:
         x = cast(x, DType.INT32)
     return Node(op, x.dtype, (x,))

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import ir
+from . import functional, ir
 from .errors import (
     ControlFlowError,
     FlexgenTraceError,
@@ -383,6 +383,52 @@ def add_sub(tracer: Tracer, op: str, a: Value, b: Value, alpha: Value = 1) -> "P
     return binary(tracer, op, a, b)
 
 
+def round_(tracer: Tracer, x: Value, decimals: Any = 0) -> "Proxy":
+    """torch.round: half to even; with decimals, at that many decimal digits."""
+    if isinstance(decimals, bool) or not isinstance(decimals, int):
+        raise tracer.error(
+            UnsupportedOperationError, f"round(decimals=...) takes a Python int, got {type(decimals).__name__}"
+        )
+    return Proxy(tracer, functional.round_decimals(to_node(tracer, x), decimals))
+
+
+def gelu(tracer: Tracer, x: Value, approximate: Any = "none") -> "Proxy":
+    if approximate not in ("none", "tanh"):
+        raise tracer.error(
+            UnsupportedOperationError, f"gelu(approximate={approximate!r}): approximate is 'none' or 'tanh'"
+        )
+    return Proxy(tracer, functional.gelu(to_node(tracer, x), approximate))
+
+
+def softplus(tracer: Tracer, x: Value, beta: Value = 1.0, threshold: Value = 20.0) -> "Proxy":
+    beta_node = None if as_scalar(beta) == 1 else to_node(tracer, beta, DType.FLOAT32)
+    threshold_node = to_node(tracer, threshold, DType.FLOAT32)
+    return Proxy(tracer, functional.softplus(to_node(tracer, x), beta_node, threshold_node))
+
+
+def shift(tracer: Tracer, op: str, x: Value, count: Value) -> "Proxy":
+    """x << count / x >> count on integers, for a constant count (torch's results for any count)."""
+    n = as_scalar(count)
+    if n is None or isinstance(n, (bool, float)):
+        what = "a traced value" if isinstance(count, Proxy) else f"a {type(count).__name__}"
+        raise tracer.error(
+            UnsupportedOperationError,
+            f"a bit shift by {what} is not supported, only by a constant Python int "
+            "(x << 3 is x * 8 and x >> 3 is x // 8, which torch.div(x, 8, rounding_mode='floor') also writes); "
+            "for a traced count, keep the powers of two in a captured tensor and index it",
+        )
+    fn = functional.shift_left if op == "lshift" else functional.shift_right
+    return Proxy(tracer, fn(to_node(tracer, x), int(n)))
+
+
+def matmul(tracer: Tracer, a: Value, b: Value) -> "Proxy":
+    raise tracer.error(
+        UnsupportedOperationError,
+        "`@` / torch.matmul multiplies matrices, but traced values are scalars: use `*` (torch.mul); "
+        "for a dot product with a row of a captured tensor, write (table[h] * weights).sum(-1)",
+    )
+
+
 def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
     """`.to(dtype)` / `.to(device)` / `.type(dtype)`: devices are ignored (the kernel decides)."""
     dtype = kwargs.pop("dtype", None)
@@ -395,10 +441,22 @@ def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
     return Proxy(tracer, node if dtype is None else cast(tracer, node, dtype))
 
 
+# Casts to a 16-bit float round the value to that precision and keep it as a float32 (what
+# x.half().float() gives). Arithmetic on the result stays float32, as in torch.compile's kernels;
+# eager torch would round again after every operation on a 16-bit value.
+_ROUNDING_CASTS = {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}
+
+
 def cast(tracer: Tracer, node: Node, dtype: torch.dtype) -> Node:
     if dtype not in _TORCH_DTYPE_TO_IR:
         raise tracer.error(UnsupportedOperationError, f"casting to {dtype} is not supported")
-    return ir.cast(node, _TORCH_DTYPE_TO_IR[dtype])
+    out = ir.cast(node, _TORCH_DTYPE_TO_IR[dtype])
+    return ir.unary(_ROUNDING_CASTS[dtype], out) if dtype in _ROUNDING_CASTS else out
+
+
+def round_scalar(value: bool | int | float, dtype: torch.dtype) -> float:
+    """A Python number as torch holds it in `dtype` (a 16-bit float)."""
+    return torch.tensor(float(value), dtype=torch.float64).to(dtype).item()
 
 
 def constant_like(tracer: Tracer, x: Value, fill: Value, dtype: torch.dtype | None = None, **_: Any) -> "Proxy":
@@ -408,7 +466,10 @@ def constant_like(tracer: Tracer, x: Value, fill: Value, dtype: torch.dtype | No
     target = _TORCH_DTYPE_TO_IR[dtype] if dtype is not None else to_node(tracer, x).dtype
     scalar = as_scalar(fill)
     if scalar is None:
-        return Proxy(tracer, ir.cast(to_node(tracer, fill), target))
+        return Proxy(tracer, cast(tracer, to_node(tracer, fill), dtype) if dtype is not None
+                     else ir.cast(to_node(tracer, fill), target))
+    if dtype in _ROUNDING_CASTS:
+        scalar = round_scalar(scalar, dtype)
     return Proxy(tracer, ir.const(scalar, target))
 
 
@@ -509,7 +570,7 @@ _BINARY_NAMES = {
     "minimum": "min", "maximum": "max", "fmin": "min", "fmax": "max",
     "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
     "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
-    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
+    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor", "fmod": "fmod",
 }
 _DUNDER_BINARY = {
     "add": "add", "sub": "sub", "mul": "mul", "truediv": "div", "div": "div", "floordiv": "floordiv",
@@ -531,6 +592,19 @@ FUNCTIONS: dict[str, Callable] = {
     "abs": _u("abs"), "absolute": _u("abs"), "__abs__": _u("abs"),
     "neg": _u("neg"), "negative": _u("neg"), "__neg__": _u("neg"),
     "special_expit": _u("sigmoid"), "expit": _u("sigmoid"),
+    "special_log1p": _u("log1p"), "arctan": _u("atan"),
+    "sign": _u("sign"), "sgn": _u("sign"), "isnan": _u("isnan"),
+    "floor": _u("floor"), "ceil": _u("ceil"), "trunc": _u("trunc"), "fix": _u("trunc"),
+    "round": round_, "special_round": round_,
+    "__floor__": _u("floor"), "__ceil__": _u("ceil"), "__trunc__": _u("trunc"),
+    "__round__": lambda t, x, ndigits=None: round_(t, x, ndigits or 0),
+    "gelu": gelu, "silu": lambda t, x, inplace=False: Proxy(t, functional.silu(to_node(t, x))),
+    "softplus": softplus,
+    **{f"__{name}__": (lambda op: lambda t, a, b: shift(t, op, a, b))(name) for name in ("lshift", "rshift")},
+    **{f"__r{name}__": (lambda op: lambda t, a, b: shift(t, op, b, a))(name) for name in ("lshift", "rshift")},
+    "bitwise_left_shift": lambda t, a, b: shift(t, "lshift", a, b),
+    "bitwise_right_shift": lambda t, a, b: shift(t, "rshift", a, b),
+    "matmul": matmul, "__matmul__": matmul, "__rmatmul__": lambda t, a, b: matmul(t, b, a),
     "logical_and": _lg("and"), "logical_or": _lg("or"), "logical_xor": _lg("xor"),
     "logical_not": logical_not, "bitwise_not": _u("not"), "__invert__": _u("not"),
     "where": where,
@@ -553,7 +627,7 @@ METHODS: dict[str, Callable] = {
     **{k: v for k, v in FUNCTIONS.items() if not k.startswith("__") and not k.endswith("_like")},
     "where": lambda t, x, condition, other: where(t, condition, x, other),
     "to": to_dtype, "type": to_dtype,
-    "float": _cast_to(torch.float32), "half": _cast_to(torch.float32), "bfloat16": _cast_to(torch.float32),
+    "float": _cast_to(torch.float32), "half": _cast_to(torch.float16), "bfloat16": _cast_to(torch.bfloat16),
     "double": _cast_to(torch.float32), "int": _cast_to(torch.int32), "short": _cast_to(torch.int32),
     "long": _cast_to(torch.int64), "bool": _cast_to(torch.bool),
     "new_ones": lambda t, x, size, dtype=None, **k: new_constant(t, x, size, 1, dtype),
@@ -632,13 +706,21 @@ def torch_function(func: Callable, args: tuple, kwargs: dict | None) -> Any:
 
 def concrete_value_error(tracer: Tracer, what: str) -> ControlFlowError:
     line = source_line(user_frame()) if tracer.locate else ""
-    if what == "bool()":
+    builtin = re.search(r"(?<![\w.])(min|max)\s*\(", line) if what == "bool()" else None
+    if builtin:
+        name = builtin.group(1)
+        detail = (
+            f"Python's built-in {name}() compares traced values with `<`, whose result is only known inside "
+            f"the kernel. Use torch.{name}imum(a, b) for the elementwise {name}imum (torch.clamp for a bound), "
+            "or torch.where(cond, a, b) to choose"
+        )
+    elif what == "bool()":
         if re.match(r"(if|elif|while|assert)\b", line):
             kind = f"a Python `{line.split()[0]}`"
         elif re.search(r"\b(and|or|not)\b", line):
             kind = "Python `and` / `or` / `not` (or a chained comparison like a < b < c)"
         else:
-            kind = "bool() (or a chained comparison like a < b < c)"
+            kind = "bool() (or a chained comparison like a < b < c, or Python's min() / max(): use torch.minimum / torch.maximum)"
         detail = (
             f"{kind} depends on a traced value, which is only known inside the kernel. "
             "Use torch.where(cond, a, b) to choose between values, and & | ~ to combine conditions"
@@ -734,6 +816,7 @@ class Proxy:
 _SYMBOLS = {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "div": "/", "floordiv": "//", "mod": "%", "pow": "**",
     "and": "&", "or": "|", "xor": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+    "lshift": "<<", "rshift": ">>", "matmul": "@",
 }
 
 
@@ -755,6 +838,12 @@ for _name in _DUNDER_BINARY:
     setattr(Proxy, f"__{_name}__", _operator(_name, reverse=False))
     if _name not in ("lt", "le", "gt", "ge", "eq", "ne"):  # comparisons reflect on their own
         setattr(Proxy, f"__r{_name}__", _operator(_name, reverse=True))
+for _name in ("lshift", "rshift", "matmul"):
+    setattr(Proxy, f"__{_name}__", _operator(_name, reverse=False))
+    setattr(Proxy, f"__r{_name}__", _operator(_name, reverse=True))
+for _name in ("floor", "ceil", "trunc"):  # math.floor(x) ...
+    setattr(Proxy, f"__{_name}__", (lambda name: lambda self: apply(self.tracer, f"math.{name}()", FUNCTIONS[f"__{name}__"], (self,), {}))(_name))
+Proxy.__round__ = lambda self, ndigits=None: apply(self.tracer, "round()", FUNCTIONS["__round__"], (self, ndigits), {})
 for _name, _op, _what in (("neg", "neg", "unary -"), ("abs", "abs", "abs()"), ("invert", "not", "operator ~")):
     setattr(Proxy, f"__{_name}__", (lambda op, what: lambda self: apply(self.tracer, what, _u(op), (self,), {}))(_op, _what))
 
