@@ -23,7 +23,7 @@ from . import ir
 from .errors import FlexgenSyntaxError, FlexgenTraceError, FlexgenTypeError, SignatureError
 from .ir import DType
 from .mod import SCORE_ARGS, Mod
-from .trace import FUNCTIONS, PartialIndex, Proxy, Tracer, as_scalar, apply, arg_names, cast, round_scalar, to_node
+from .trace import FUNCTIONS, ArrayValue, Proxy, Tracer, as_scalar, apply, arg_names, cast, round_scalar, to_node
 
 _GRAMMAR = Path(__file__).with_name("grammar.lark")
 
@@ -115,6 +115,7 @@ def text_functions(tracer: Tracer) -> dict[str, TextFunction]:
     return table
 
 
+_SHAPE_QUERIES = ("shape", "size", "dim", "ndim", "numel")  # of a bound tensor: constants
 _NN_FUNCTIONAL = ("gelu", "silu", "softplus", "relu", "sigmoid", "tanh")  # F.<name> in the text form
 _CONSTANTS = {"True": True, "False": False, "true": True, "false": False, "inf": math.inf, "nan": math.nan, "pi": math.pi}
 _MATH = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
@@ -257,7 +258,7 @@ class Evaluator:
         target = self.eval(base)
         keys = tuple(self.eval(c) for c in subscripts.children if c is not None)
         key = keys[0] if len(keys) == 1 else keys
-        if isinstance(target, PartialIndex):
+        if isinstance(target, (ArrayValue, torch.Size)):
             return target[key]
         if not isinstance(target, torch.Tensor):
             raise TypeError("only tensors bound by keyword can be indexed (e.g. slopes[h] with slopes=tensor)")
@@ -285,7 +286,9 @@ class Evaluator:
             if attr not in target.members:
                 raise self.error(name.line, name.column, f"unknown name '{target.name}.{attr}'")
             return target.members[attr]
-        if isinstance(target, Proxy):
+        if isinstance(target, (Proxy, ArrayValue)):
+            return getattr(target, attr)
+        if isinstance(target, torch.Tensor) and attr in _SHAPE_QUERIES:
             return getattr(target, attr)
         raise TypeError(f"a {type(target).__name__} value has no attribute '{attr}' in the text form")
 
