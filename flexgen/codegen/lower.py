@@ -105,14 +105,54 @@ class LoweredMods:
 # ---------------------------------------------------------------- names
 
 
+# Identifiers a ModArgs member must not be named: macros a kernel's translation unit may define
+# (NVRTC's, libc's in the host tests, flexgen's own FG_* / FLEXGEN_*: a member `NULL` would be
+# macro-expanded), CUDA's built-in variables and common device functions.
+_C_RESERVED = _CPP_KEYWORDS | frozenset(
+    """NULL EOF INFINITY NAN HUGE_VAL HUGE_VALF assert offsetof errno stdin stdout stderr CHAR_BIT INT_MAX
+    INT_MIN UINT_MAX LLONG_MAX LLONG_MIN FLT_MAX FLT_MIN FLT_EPSILON DBL_MAX DBL_MIN DBL_EPSILON M_PI M_E
+    min max isnan isinf isfinite signbit threadIdx blockIdx blockDim gridDim warpSize typeof restrict""".split()
+)
+
+
 def c_name(name: str) -> str:
-    """A C identifier for a buffer or parameter name (kept as is when it already is one)."""
-    out = re.sub(r"\W", "_", name)
+    """A C identifier for a buffer or parameter name: the name itself unless C++, CUDA or a macro
+    claims it (then suffixed, or prefixed with v_ where a leading underscore makes it reserved)."""
+    out = re.sub(r"[^0-9A-Za-z_]", "_", name)
     if not out or out[0].isdigit():
         out = "_" + out
-    if out in _CPP_KEYWORDS or out.startswith("__") or re.match(r"_[A-Z]", out):
-        out = "v_" + out.lstrip("_") if out.startswith("_") else out + "_"
+    if out.startswith("__") or re.match(r"_[A-Z]", out):
+        return "v_" + out.lstrip("_")
+    if out in _C_RESERVED or re.match(r"(FG|FLEXGEN)_", out):
+        return out + "_"
     return out
+
+
+def _member_names(bufs: list[BufferSpec], params: dict[str, DType]) -> dict[str, str]:
+    """Buffer / parameter name -> C member name, distinct also from every derived member
+    (`bias_stride0`, `bias_grad`, ...)."""
+    taken: set[str] = {"unused_"}
+    names: dict[str, str] = {}
+    ndims = {b.name: b.ndim for b in bufs}
+    for name in [b.name for b in bufs] + list(params):
+        base = c_name(name)
+        member, n = base, 2
+        while True:
+            derived = {member}
+            if name in ndims:
+                derived |= {f"{member}_grad"} | {f"{member}{g}_stride{d}" for g in ("", "_grad") for d in range(ndims[name])}
+            if not derived & taken:
+                break
+            member, n = f"{base}_{n}", n + 1
+        taken |= derived
+        names[name] = member
+    return names
+
+
+def _comment(text: str) -> str:
+    """`text` made safe for a // comment: one line of printable ASCII, no backslash (a line splice
+    would comment out the next line) and no `*/`."""
+    return re.sub(r"[^\x20-\x7e]", "?", text).replace("\\", "/").replace("*/", "* /")
 
 
 # ---------------------------------------------------------------- literals
@@ -222,7 +262,7 @@ class _Body:
                 name = f"t{self.temps}"
                 self.temps += 1
                 note = pretty(node)
-                note = f"  // {note}" if len(note) <= 80 and note != _unparen(text) else ""
+                note = f"  // {_comment(note)}" if len(note) <= 80 and note != _unparen(text) else ""
                 self.lines.append(f"    const {CTYPE[node.dtype]} {name} = {_unparen(text)};{note}")
                 text = name
             self.expr[node.digest] = text
@@ -356,7 +396,7 @@ def _grad_slots(sites: int, deterministic: bool) -> str:
 
 
 def _function(signature: str, comment: list[str], body: _Body, result: str) -> str:
-    lines = [f"// {c}" for c in comment] + [signature + " {"] + body.lines + [f"    return {_unparen(result)};", "}"]
+    lines = [f"// {_comment(c)}" for c in comment] + [signature + " {"] + body.lines + [f"    return {_unparen(result)};", "}"]
     return "\n".join(lines)
 
 
@@ -449,11 +489,6 @@ def _fields(bufs: list[BufferSpec], params: dict[str, DType], grads: tuple[str, 
         fields += [ArgField(f"{names[g]}_grad_stride{d}", "long long", ("grad_stride", g, d)) for d in range(by_name[g].ndim)]
     if not fields:
         fields.append(ArgField("unused_", "int", ("padding",)))
-    seen: set[str] = set()
-    for f in fields:
-        if f.name in seen:
-            raise LoweringError(f"two ModArgs members would both be named {f.name!r}; rename a buffer or parameter")
-        seen.add(f.name)
     return fields
 
 
@@ -484,7 +519,7 @@ def lower_mods(spec) -> LoweredMods:
     for g in spec.grad_buffers:
         if g not in score_bufs:
             raise LoweringError(f"grad_buffers names {g!r}, which score_mod does not read")
-    names = {n: c_name(n) for n in [b.name for b in bufs] + list(params)}
+    names = _member_names(bufs, params)
     fields = _fields(bufs, params, tuple(spec.grad_buffers), names)
     helpers: set[str] = set()
     score_fn = _score_fn(spec.score_expr, names, helpers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import keyword
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -59,6 +60,21 @@ class IRTypeError(TypeError):
     """An expression whose operand types the IR does not allow."""
 
 
+MAX_NAME_LENGTH = 64
+
+
+def check_name(name: object, what: str) -> None:
+    """Buffer and parameter names reach generated C++ (members, comments): ASCII identifiers only."""
+    if (
+        not isinstance(name, str) or not name.isascii() or not name.isidentifier()
+        or keyword.iskeyword(name) or len(name) > MAX_NAME_LENGTH
+    ):
+        raise IRTypeError(
+            f"{what} name {name!r} is not allowed: names are ASCII Python identifiers (letters, digits and _, "
+            f"not starting with a digit, not a Python keyword) of at most {MAX_NAME_LENGTH} characters"
+        )
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     """What the kernel needs to know about a captured tensor: not its contents, not its shape."""
@@ -66,6 +82,9 @@ class BufferSpec:
     name: str
     dtype: str  # torch dtype name, e.g. "float32", "bfloat16", "int64", "bool"
     ndim: int
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "buffer")
 
     @property
     def load_dtype(self) -> DType:
@@ -167,6 +186,7 @@ def input_(name: str) -> Node:
 
 def param(name: str, dtype: DType) -> Node:
     """A scalar the kernel takes as a run-time argument (its value lives outside the IR)."""
+    check_name(name, "parameter")
     return Node("param", dtype, (), name)
 
 

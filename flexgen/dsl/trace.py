@@ -150,7 +150,8 @@ class Tracer:
                 )
 
     def _fresh_name(self, base: str) -> str:
-        base = re.sub(r"\W", "_", base) or "buf"
+        # an ASCII identifier (ir.check_name), with room left for a numeric suffix
+        base = re.sub(r"[^0-9A-Za-z_]", "_", base)[:ir.MAX_NAME_LENGTH - 4] or "buf"
         if base[0].isdigit() or keyword.iskeyword(base):
             base = f"_{base}"
         taken = set(self.buffers) | set(self.params) | set(SCORE_ARGS)
