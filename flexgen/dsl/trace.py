@@ -609,8 +609,6 @@ FUNCTIONS: dict[str, Callable] = {
     "sign": _u("sign"), "sgn": _u("sign"), "isnan": _u("isnan"),
     "floor": _u("floor"), "ceil": _u("ceil"), "trunc": _u("trunc"), "fix": _u("trunc"),
     "round": round_, "special_round": round_,
-    "__floor__": _u("floor"), "__ceil__": _u("ceil"), "__trunc__": _u("trunc"),
-    "__round__": lambda t, x, ndigits=None: round_(t, x, ndigits or 0),
     "gelu": gelu, "silu": lambda t, x, inplace=False: Proxy(t, functional.silu(to_node(t, x))),
     "softplus": softplus,
     **{f"__{name}__": (lambda op: lambda t, a, b: shift(t, op, a, b))(name) for name in ("lshift", "rshift")},
@@ -849,6 +847,15 @@ def _operator(name: str, reverse: bool) -> Callable:
     return method
 
 
+def _python_rounding(value: Any, name: str, what: str) -> Any:
+    """math.floor(x), round(x), ...: Python wants a number now (torch tensors refuse too)."""
+    raise value.tracer.error(
+        UnsupportedOperationError,
+        f"Python's {what}() needs a concrete number, but traced values are only known inside the kernel; "
+        f"use torch.{name}(x){' (half to even, like Python)' if name == 'round' else ''}",
+    )
+
+
 class ArrayValue:
     """What a traced array answers like a tensor: its (constant) shape, and elementwise operators,
     torch functions, methods and reductions (through apply(), which maps them over the elements)."""
@@ -918,9 +925,8 @@ for _cls in (Proxy, ArrayValue):
         setattr(_cls, f"__{_name}__", _operator(_name, reverse=False))
         if _name not in ("lt", "le", "gt", "ge", "eq", "ne"):  # comparisons reflect on their own
             setattr(_cls, f"__r{_name}__", _operator(_name, reverse=True))
-    for _name in ("floor", "ceil", "trunc"):  # math.floor(x) ...
-        setattr(_cls, f"__{_name}__", (lambda name: lambda self: apply(self.tracer, f"math.{name}()", FUNCTIONS[f"__{name}__"], (self,), {}))(_name))
-    _cls.__round__ = lambda self, ndigits=None: apply(self.tracer, "round()", FUNCTIONS["__round__"], (self, ndigits), {})
+    for _name, _what in (("floor", "math.floor"), ("ceil", "math.ceil"), ("trunc", "math.trunc"), ("round", "round")):
+        setattr(_cls, f"__{_name}__", (lambda name, what: lambda self, *a: _python_rounding(self, name, what))(_name, _what))
     for _name, _op, _what in (("neg", "neg", "unary -"), ("abs", "abs", "abs()"), ("invert", "not", "operator ~")):
         setattr(_cls, f"__{_name}__", (lambda op, what: lambda self: apply(self.tracer, what, _u(op), (self,), {}))(_op, _what))
 
