@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import math
 import random
 import shutil
 import subprocess
@@ -17,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import flexgen
 from flexgen.codegen.cstruct import ModArgsError, pack_mod_args, struct_class
 from flexgen.codegen.lower import LoweringError, c_name, float_literal, lower_mods
 from flexgen.codegen.spec import KernelSpec
@@ -876,3 +879,59 @@ def test_comments_stay_on_one_line():
     text = _comment("a\n#error boom \\\r\n*/ x \u00e9\\")
     assert "\n" not in text and "\r" not in text and "\\" not in text and "*/" not in text
     assert text.startswith("a?#error boom")
+
+
+# ---------------------------------------------------------------- the new ops in real kernels (GPU)
+
+GPU_ROWS = torch.randn(4, 12)
+GPU_WEIGHTS = torch.randn(12)
+GPU_SCORE_MODS = {
+    "gelu_tanh": lambda s, b, h, q, kv: F.gelu(s * 2, approximate="tanh"),
+    "softplus_silu": lambda s, b, h, q, kv: F.softplus(s, beta=2) - F.silu(s),
+    "log1p_atan": lambda s, b, h, q, kv: torch.atan(s) * torch.log1p(s.abs()),
+    "rounding": lambda s, b, h, q, kv: torch.round(s * 4) / 4 + torch.sign(s) * 0.5 + torch.fmod(s, 1.5),
+    "precision_casts": lambda s, b, h, q, kv: (s * 3.3).half().float() - s.bfloat16(),
+    "row_reduction": lambda s, b, h, q, kv: s + (GPU_ROWS_CUDA[h] * GPU_WEIGHTS_CUDA).sum(-1) * 0.3,
+}
+GPU_BACKWARD = ("gelu_tanh", "softplus_silu", "precision_casts", "row_reduction")
+GPU_ROWS_CUDA = GPU_WEIGHTS_CUDA = None
+
+
+def _gpu_case(name):
+    global GPU_ROWS_CUDA, GPU_WEIGHTS_CUDA
+    GPU_ROWS_CUDA, GPU_WEIGHTS_CUDA = GPU_ROWS.cuda(), GPU_WEIGHTS.cuda()
+    fn = GPU_SCORE_MODS[name]
+    return fn, flexgen.score_mod(fn), flexgen.mask_mod(lambda b, h, q, kv: (q >> 4) >= (kv >> 4))  # block-causal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_SCORE_MODS))
+def test_new_ops_in_kernels_match_the_reference(name):
+    """Forward (and for some, backward) of flex_attention with the new ops against the float64 reference;
+    the bar is twice the error of PyTorch's own bf16 math on the same inputs."""
+    from lowp_math import masked_scores
+
+    fn, score, mask = _gpu_case(name)
+    B, H, L, D = 2, 4, 200, 64
+    q, k, v, do = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1.0 / math.sqrt(D)
+    bm = flexgen.create_block_mask(mask, None, None, L, L, device="cuda")
+    torch.full((B, H, L, D), float("nan"), device="cuda", dtype=torch.bfloat16)  # poison the allocator's blocks
+    learn = name in GPU_BACKWARD
+    qg, kg, vg = (t.clone().requires_grad_(learn) for t in (q, k, v))
+    out = flexgen.flex_attention(qg, kg, vg, score_mod=score, block_mask=bm, scale=scale)
+    qr, kr, vr = (t.double().requires_grad_(learn) for t in (q, k, v))
+    ref = flexgen.reference_attention(qr, kr, vr, score_mod=score, mask_mod=mask, scale=scale)
+    ql, kl, vl = (t.clone().requires_grad_(learn) for t in (q, k, v))
+    s, vv = masked_scores(ql, kl, vl, fn, lambda b, h, qi, ki: (qi >> 4) >= (ki >> 4), scale)
+    low = torch.matmul(torch.softmax(s, dim=-1), vv)
+    assert not torch.isnan(out).any()
+    err, base = (out.double() - ref).norm().item(), (low.double() - ref.detach()).norm().item()
+    assert err <= 2 * base + 1e-5, f"{name}: output error {err:.3e} > 2 x bf16 error {base:.3e} + 1e-5"
+    if learn:
+        out.backward(do)
+        ref.backward(do.double())
+        low.backward(do)
+        for what, g, r, lg in zip("qkv", (qg, kg, vg), (qr, kr, vr), (ql, kl, vl)):
+            err, base = (g.grad.double() - r.grad).norm().item(), (lg.grad.double() - r.grad).norm().item()
+            assert err <= 2 * base + 1e-4, f"{name}: d{what} error {err:.3e} > 2 x bf16 error {base:.3e} + 1e-4"
