@@ -455,8 +455,8 @@ def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
 
 
 # Casts to a 16-bit float round the value to that precision and keep it as a float32 (what
-# x.half().float() gives). Arithmetic on the result stays float32, as in torch.compile's kernels;
-# eager torch would round again after every operation on a 16-bit value.
+# x.half().float() gives). Arithmetic on the result stays float32, where eager torch would round
+# again after every operation on a 16-bit value.
 _ROUNDING_CASTS = {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}
 
 
