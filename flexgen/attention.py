@@ -15,6 +15,11 @@ from .codegen.spec import HEAD_DIMS
 from .runtime.plan import DTYPES
 
 
+class DtypeMismatchError(ValueError, TypeError):
+    """Query, key and value of different dtypes: a ValueError, as PyTorch's FlexAttention raises
+    (its message too); also a TypeError, which flexgen raised before."""
+
+
 def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -29,7 +34,10 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     if not (query.device == key.device == value.device):
         raise ValueError(f"flex_attention: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
     if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(f"flex_attention: query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise DtypeMismatchError(
+            "flex_attention: Expected query, key, and value to have the same dtype, but got "
+            f"query.dtype: {query.dtype}, key.dtype: {key.dtype}, and value.dtype: {value.dtype} instead."
+        )
     if query.dtype not in DTYPES:
         raise TypeError(f"flex_attention: dtype {query.dtype} is not supported; use torch.bfloat16 or torch.float16")
     bq, hq, _, d = query.shape

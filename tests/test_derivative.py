@@ -1,7 +1,10 @@
+import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flexgen
 from flexgen.dsl import ir
 from flexgen.dsl.derivative import grad_buffers, grad_score, grad_wrt
 from flexgen.dsl.evaluate import evaluate
@@ -143,3 +146,45 @@ def test_derivative_matches_autograd(e, seed):
             r = ref_gbuf[name]
             if bool(r.isfinite().all()) and r.abs().max() < 1e8:
                 assert close(gbuf[name], r, torch.ones_like(r, dtype=torch.bool)), (e, name)
+
+
+# ---------------------------------------------------------------- the newer torch functions, against torch's own autograd
+
+_ROW = torch.randn(8, dtype=torch.float64) + 3.0  # fmod divisors, well away from 0
+
+TORCH_GRADIENTS = {
+    "log1p": lambda x, h, row: torch.log1p(x.abs()) * torch.log1p(x * 0.04),
+    "atan": lambda x, h, row: torch.atan(x * 0.7) * x,
+    "gelu": lambda x, h, row: F.gelu(x),
+    "gelu_tanh": lambda x, h, row: F.gelu(x, approximate="tanh"),
+    "silu": lambda x, h, row: F.silu(x),
+    "softplus": lambda x, h, row: F.softplus(x) + F.softplus(x, beta=2.5, threshold=3.0),
+    "rounding_is_flat": lambda x, h, row: torch.round(x * 3) + torch.floor(x) * x + torch.ceil(x) + torch.trunc(x) * 2 + torch.sign(x) * x,
+    "fmod": lambda x, h, row: torch.fmod(x * 5, 1.25) + torch.fmod(x, row[h]) * 2,
+    # straight through (torch also rounds the gradient to 16 bits: 3 and 1 are exact)
+    "half_casts_pass_gradients": lambda x, h, row: x.half().float() * 3 + x.bfloat16().float(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_GRADIENTS))
+def test_new_functions_match_torch_autograd(name):
+    """d/dscore of the traced mod, and the gradient of the captured row it reads, against torch.autograd
+    of the torch function itself run per element (float64), away from the jumps of the rounding ops."""
+    fn = TORCH_GRADIENTS[name]
+    g = torch.Generator().manual_seed(len(name))
+    x = torch.randn(512, generator=g, dtype=torch.float64) * 4
+    x = torch.where((x * 15).frac().abs() < 0.05, x + 0.01, x)  # where torch's gradient is only a convention
+    h = torch.randint(0, 8, (512,), generator=g, dtype=torch.int32)
+    mod = flexgen.score_mod(lambda score, b, hh, q_idx, kv_idx: fn(score, hh, _ROW))
+    xr, row = x.clone().requires_grad_(True), _ROW.clone().requires_grad_(True)
+    out = torch.vmap(fn, in_dims=(0, 0, None))(xr, h, row)
+    want_ds, want_row = torch.autograd.grad(out.sum(), [xr, row], allow_unused=True)
+    inputs = {"score": x, "b": 0, "h": h, "q_idx": 0, "kv_idx": 0}
+    got = evaluate(grad_score(mod.expr), inputs, mod.buffers, mod.params, torch.float64).expand(x.shape)
+    torch.testing.assert_close(got, want_ds, rtol=1e-9, atol=1e-12)
+    row_grad = torch.zeros(8, dtype=torch.float64)
+    for load, partial in grad_buffers(mod.expr):
+        p = evaluate(partial, inputs, mod.buffers, mod.params, torch.float64).expand(x.shape)
+        row_grad.index_put_((evaluate(load.args[0], inputs).long().expand(x.shape),), p, accumulate=True)
+    torch.testing.assert_close(row_grad, torch.zeros(8, dtype=torch.float64) if want_row is None else want_row,
+                               rtol=1e-9, atol=1e-9)

@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flexgen
+from flexgen.dsl import ir
 from flexgen.dsl import trace as trace_module
 from flexgen.dsl.errors import (
     ControlFlowError,
@@ -97,13 +99,14 @@ def test_python_int_and_float_conversions():
 
 
 def test_unsupported_torch_function_is_named_with_alternatives():
-    def fmod(score, b, h, q_idx, kv_idx):
-        return torch.fmod(score, 2.0)
+    def lgamma(score, b, h, q_idx, kv_idx):
+        return torch.lgamma(score)
 
-    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(fmod))
-    assert "torch.fmod is not supported" in message
+    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(lgamma))
+    assert "torch.lgamma is not supported" in message
     assert "Supported torch functions:" in message and "tanh" in message and "where" in message
-    _points_at(message, fmod, 1)
+    assert "gelu" in message and "fmod" in message
+    _points_at(message, lgamma, 1)
 
 
 def test_unsupported_tensor_method():
@@ -263,3 +266,112 @@ def test_user_errors_keep_their_type_with_a_note():
     with pytest.raises(KeyError) as info:
         flexgen.score_mod(broken)
     assert any("while flexgen was tracing score_mod 'broken'" in note for note in info.value.__notes__)
+
+
+# ---------------------------------------------------------------- errors that name the fix
+
+
+def test_python_min_max_name_the_torch_functions():
+    def clipped(score, b, h, q_idx, kv_idx):
+        return min(score, 3.0)
+
+    def widest(b, h, q_idx, kv_idx):
+        return max(q_idx, kv_idx) < 100
+
+    message = _error(ControlFlowError, lambda: flexgen.score_mod(clipped))
+    assert "built-in min()" in message and "torch.minimum(a, b)" in message
+    _points_at(message, clipped, 1)
+    message = _error(ControlFlowError, lambda: flexgen.mask_mod(widest))
+    assert "built-in max()" in message and "torch.maximum(a, b)" in message
+
+
+def test_python_rounding_names_the_torch_function():
+    assert "torch.round(x)" in _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: round(s)))
+    assert "torch.floor(x)" in _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: math.floor(s)))
+    assert "torch.trunc(x)" in _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: math.trunc(s)))
+
+
+def test_shifts_and_matmul():
+    def traced_count(b, h, q_idx, kv_idx):
+        return (1 << h) > kv_idx
+
+    message = _error(UnsupportedOperationError, lambda: flexgen.mask_mod(traced_count))
+    assert "bit shift by a traced value" in message and "constant Python int" in message
+    _points_at(message, traced_count, 1)
+    message = _error(FlexgenTypeError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s << 1))
+    assert "operator <<" in message and "integer" in message
+    assert "constant" in _error(UnsupportedOperationError, lambda: flexgen.mask_mod(lambda b, h, q, kv: (q >> 1.5) > kv))
+    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s @ s))
+    assert "torch.mul" in message and "`@`" in message
+    assert "torch.mul" in _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: torch.matmul(s, s)))
+
+
+def test_bad_arguments_of_new_functions():
+    assert "'none' or 'tanh'" in _error(
+        UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: F.gelu(s, approximate="erf")))
+    assert "Python int" in _error(
+        UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s.round(decimals=1.5)))
+    assert "needs a float" in _error(
+        FlexgenTypeError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + torch.round(q, decimals=2)))
+
+
+# ---------------------------------------------------------------- rows of captured tensors
+
+
+def test_arrays_used_as_one_value_or_too_large():
+    table = torch.rand(4, 9)
+    other = torch.rand(4, 5)
+    wide = torch.rand(4, 65)
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table[h] * 2))
+    assert "used after indexing only 1" in message and "9 values (shape (9,))" in message and ".sum(-1)" in message
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + wide[h].sum(-1)))
+    assert "(65,)" in message and "up to 64 elements" in message
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + (table[h] * 2)[kv]))
+    assert "only be indexed with constants" in message and "table[h, q_idx]" in message
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + (table[h] * other[h]).sum()))
+    assert "(9,), (5,) do not broadcast" in message
+
+
+def test_array_reduction_errors():
+    table = torch.rand(4, 9)
+    ids = torch.randint(0, 5, (4, 3))
+    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table[h].max(0)))
+    assert "torch.amax(x, dim)" in message
+    message = _error(IndexingError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table[h].sum(2)))
+    assert "dim 2 is out of range" in message
+    message = _error(FlexgenTypeError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + ids[h].mean()))
+    assert "mean() of int64" in message and ".float().mean()" in message
+    message = _error(UnsupportedOperationError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: s + table @ table[h]))
+    assert "dot product of two 1-d arrays" in message
+
+
+# ---------------------------------------------------------------- names that reach generated C++
+
+
+@pytest.mark.parametrize("name", ["a\n#error boom", "trailing\\", "x*/y", "caf\u00e9", "9lives", "lambda", "", "n" * 65, "a b"])
+def test_buffer_and_parameter_names_are_checked_in_the_ir(name):
+    with pytest.raises(ir.IRTypeError, match="ASCII Python identifiers"):
+        ir.BufferSpec(name, "float32", 1)
+    with pytest.raises(ir.IRTypeError, match="ASCII Python identifiers"):
+        ir.param(name, ir.DType.FLOAT32)
+
+
+def test_traced_names_are_made_valid():
+    café = torch.rand(4)
+    very_long_name_of_a_table_that_goes_on_and_on_well_past_what_a_c_member_name_should_be = torch.rand(4)
+    mod = flexgen.score_mod(lambda s, b, h, q, kv: s + café[h]
+                            + very_long_name_of_a_table_that_goes_on_and_on_well_past_what_a_c_member_name_should_be[h])
+    names = [spec.name for spec in mod.buffer_specs]
+    assert names[0] == "caf_" and len(names[1]) <= ir.MAX_NAME_LENGTH and names[1].startswith("very_long_name")
+
+
+# ---------------------------------------------------------------- inputs of different dtypes
+
+
+def test_mixed_query_key_value_dtypes_raise_value_error_like_pytorch():
+    q = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.float32)
+    kv = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match="Expected query, key, and value to have the same dtype"):
+        flexgen.flex_attention(q, kv, kv)
+    with pytest.raises(TypeError, match="same dtype"):  # what flexgen raised before, still caught
+        flexgen.flex_attention(kv, kv, q)

@@ -7,19 +7,24 @@ value, against the reference evaluator on random inputs.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import math
 import random
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import flexgen
 from flexgen.codegen.cstruct import ModArgsError, pack_mod_args, struct_class
 from flexgen.codegen.lower import LoweringError, c_name, float_literal, lower_mods
 from flexgen.codegen.spec import KernelSpec
-from flexgen.dsl import ir
+from flexgen.dsl import functional, ir
 from flexgen.dsl.evaluate import evaluate
 from flexgen.dsl.ir import BufferSpec, DType
 
@@ -591,8 +596,9 @@ def _layout_cases():
     score = bin_("add", bin_("mul", S, ir.param("scale", DType.FLOAT32)), ir.load(bias, (H, Q)))
     mask = bin_("and", bin_("lt", ir.cast(Q, DType.INT64), ir.param("n", DType.INT64)), ir.param("flag", DType.BOOL))
     m2 = bin_("gt", bin_("add", ir.param("a", DType.INT32), ir.param("c", DType.INT32)), Q)
+    reserved = bin_("add", bin_("mul", S, ir.param("int", DType.FLOAT32)), ir.load(BufferSpec("NULL", "float16", 2), (H, Q)))
     return [_spec(), _spec(score=score, mask=mask, grad_buffers=("bias",)), _spec(mask=m2),
-            _spec(score=bin_("mul", S, ir.param("f", DType.FLOAT32)), mask=mask)]
+            _spec(score=bin_("mul", S, ir.param("f", DType.FLOAT32)), mask=mask), _spec(score=reserved)]
 
 
 @needs_gxx
@@ -644,3 +650,288 @@ def test_pack_mod_args_fills_and_validates():
         pack_mod_args(low, {"bias": t}, {"scale": 0.5, "n": 2**70, "flag": 1}, {"bias": g}, check_device=False)
     with pytest.raises(ModArgsError, match="gradient"):
         pack_mod_args(low, {"bias": t}, {"scale": 0.5, "n": 2, "flag": 1}, {}, check_device=False)
+
+
+# ---------------------------------------------------------------- more ops: rounding, fmod, isnan, 16-bit casts
+
+
+def _ties(step: float, start: float = 1.0) -> ir.Node:
+    """start + (2 * kv_idx + 1) * step: exact in float32, and a tie whenever 2 * step is the spacing there."""
+    odd = ir.cast(bin_("add", bin_("mul", KV, c(2)), c(1)), DType.FLOAT32)
+    return bin_("add", c(start), bin_("mul", odd, c(step)))
+
+
+def new_op_cases() -> list[Case]:
+    cases: list[Case] = []
+    kvf = ir.cast(KV, DType.FLOAT32)
+    d = bin_("sub", Q, KV)
+    # rounding to an integral value; round's ties (x.5) go to even, on both signs
+    for op in ("floor", "ceil", "round", "trunc"):
+        cases.append(Case("score", un(op, bin_("mul", S, c(1.75)))))
+        cases.append(Case("score", un(op, bin_("sub", c(-0.5), kvf))))
+        cases.append(Case("score", un(op, bin_("add", kvf, c(0.5)))))
+    cases.append(Case("score", un("round", un("log", S))))  # NaN and -inf pass through
+    # sign: 0 for +-0 and NaN; integers too
+    cases.append(Case("score", un("sign", S)))
+    cases.append(Case("score", un("sign", un("log", S))))
+    cases.append(Case("score", ir.cast(un("sign", d), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(un("sign", ir.cast(d, DType.INT64)), DType.FLOAT32)))
+    # fmod keeps the dividend's sign (C's remainder), unlike % (torch.remainder)
+    cases.append(Case("score", bin_("fmod", S, c(1.5))))
+    cases.append(Case("score", bin_("fmod", bin_("mul", S, c(10.0)), c(-0.75))))
+    for divisor in (7, -7, 1):
+        cases.append(Case("score", ir.cast(bin_("fmod", d, c(divisor)), DType.FLOAT32)))
+    dyn = bin_("sub", H, c(4))
+    dyn = ir.where(bin_("eq", dyn, c(0)), c(-3), dyn)
+    cases.append(Case("score", ir.cast(bin_("fmod", ir.cast(d, DType.INT64), ir.cast(dyn, DType.INT64)), DType.FLOAT32)))
+    # isnan, in a mask (log of a negative number) and as a condition on the score
+    cases.append(Case("mask", un("isnan", un("log", bin_("sub", kvf, c(150.0))))))
+    cases.append(Case("score", ir.where(un("isnan", un("sqrt", S)), c(-1.0), S)))
+    # rounding to float16 / bfloat16: ties to even, subnormals, overflow past 65504, NaN, both signs
+    fp16, bf16 = (lambda x: un("round_to_fp16", x)), (lambda x: un("round_to_bf16", x))
+    cases.append(Case("score", fp16(_ties(2.0 ** -11))))
+    cases.append(Case("score", fp16(un("neg", _ties(2.0 ** -11, start=2.0)))))
+    cases.append(Case("score", fp16(_ties(2.0 ** -25, start=0.0))))  # float16 subnormals: steps of 2^-24
+    cases.append(Case("score", fp16(bin_("add", c(65504.0), bin_("mul", kvf, c(0.25))))))  # 65520 and up: inf
+    cases.append(Case("score", fp16(bin_("mul", S, c(1e-6)))))
+    cases.append(Case("score", fp16(bin_("mul", S, c(3e4)))))
+    cases.append(Case("score", fp16(un("log", S))))
+    cases.append(Case("score", bf16(_ties(2.0 ** -8))))
+    cases.append(Case("score", bf16(un("neg", _ties(2.0 ** -9, start=0.5)))))
+    cases.append(Case("score", bf16(bin_("mul", S, c(1e38)))))  # past bfloat16's largest: inf
+    cases.append(Case("score", bf16(bin_("mul", S, c(1e-39)))))  # float32 subnormals
+    cases.append(Case("score", bf16(un("log", S))))
+    cases.append(Case("score", bin_("add", fp16(S), bf16(bin_("mul", S, c(3.3))))))
+    # log1p, atan and the compositions (accurate to a few ulp, not bit-exact)
+    cases.append(Case("score", un("log1p", bin_("mul", S, c(0.2))), exact=False))
+    cases.append(Case("score", un("log1p", bin_("mul", S, c(1e-5))), exact=False))
+    cases.append(Case("score", un("atan", S), exact=False))
+    cases.append(Case("score", functional.gelu(S, "none"), exact=False))
+    cases.append(Case("score", functional.gelu(S, "tanh"), exact=False))
+    cases.append(Case("score", functional.silu(S), exact=False))
+    cases.append(Case("score", functional.softplus(S, None, c(20.0)), exact=False))
+    cases.append(Case("score", functional.softplus(bin_("mul", S, c(4.0)), c(2.0), c(5.0)), exact=False))
+    cases.append(Case("score", functional.round_decimals(S, 2)))
+    # bit shifts (as multiplications and floor divisions)
+    for count in (0, 3, 31, 32):
+        cases.append(Case("score", ir.cast(functional.shift_left(d, count), DType.FLOAT32)))
+        cases.append(Case("score", ir.cast(functional.shift_right(d, count), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(functional.shift_right(functional.shift_left(ir.cast(d, DType.INT64), 40), 38), DType.FLOAT32)))
+    return cases
+
+
+@needs_gxx
+def test_new_ops_match_evaluator(tmp_path):
+    check(new_op_cases(), tmp_path, seed=3)
+
+
+@needs_gxx
+def test_new_ops_backward_matches_derivative_and_autograd(tmp_path):
+    """score_mod_bwd of the new ops: the lowered derivative against float64 autograd of evaluate()
+    (the gradient of the divisor of fmod as a buffer gradient)."""
+    derivative = pytest.importorskip("flexgen.dsl.derivative")
+    spec, pair = _buffer("div", torch.float32, (8,), seed=50, layout="sliced")
+    divisor = bin_("add", un("abs", ir.load(spec, (H,))), c(0.5))
+    exprs = [
+        un("log1p", un("abs", S)),
+        bin_("mul", un("atan", S), S),
+        functional.gelu(S, "none"),
+        functional.gelu(S, "tanh"),
+        functional.silu(S),
+        functional.softplus(S, c(1.5), c(4.0)),
+        bin_("add", un("round", S), bin_("mul", un("sign", S), S)),
+        bin_("fmod", bin_("mul", S, c(3.0)), divisor),
+    ]
+    cases = [Case("bwd", e, buffers={"div": pair} if "div[" in repr(e) else {},
+                  grad_buffers=("div",) if "div[" in repr(e) else ()) for e in exprs]
+    for case, (got, _, grads, pts) in zip(cases, run_on_host(cases, tmp_path)):
+        bufs = {n: v for n, (_, v) in case.buffers.items()}
+        grad_out = 1.0 + torch.arange(N_POINTS, dtype=torch.float64) / N_POINTS
+        leaves = {n: v.to(torch.float64).clone().requires_grad_(True) for n, v in bufs.items()}
+        score = pts["score"].to(torch.float64).requires_grad_(True)
+        out = evaluate(case.expr, {**pts, "score": score}, leaves, case.params, float_dtype=torch.float64)
+        (out * grad_out).sum().backward()
+        torch.testing.assert_close(got.to(torch.float64), score.grad, rtol=2e-5, atol=2e-5,
+                                   msg=lambda m: f"{ir.Node.__repr__(case.expr)}: {m}")
+        for name in case.grad_buffers:
+            torch.testing.assert_close(grads[name].to(torch.float64), leaves[name].grad, rtol=1e-4, atol=1e-4)
+        dscore = evaluate(derivative.grad_score(case.expr), pts, bufs, case.params, float_dtype=torch.float32)
+        torch.testing.assert_close(got, (grad_out.float() * dscore).expand(N_POINTS), rtol=1e-5, atol=1e-6)
+
+
+def test_new_ops_lower_to_the_expected_functions():
+    text = lambda e, **kw: lower_mods(_spec(score=e, **kw)).code  # noqa: E731
+    assert "rintf(score)" in text(un("round", S))  # the default rounding mode: ties to even
+    assert "fmodf(score, 1.5f)" in text(bin_("fmod", S, c(1.5)))
+    assert "(q_idx % 7)" in text(ir.cast(bin_("fmod", Q, c(7)), DType.FLOAT32))
+    assert "log1pf(" in text(un("log1p", S)) and "atanf(" in text(un("atan", S))
+    low = lower_mods(_spec(score=bin_("add", un("round_to_fp16", S), un("round_to_bf16", un("sign", S)))))
+    assert {"fg_round_fp16", "fg_round_bf16", "fg_sign"} <= set(low.helpers)
+    assert "cvt.rn.f16.f32" in low.mod_args_decl and "cvt.rn.bf16.f32" in low.mod_args_decl
+    # the compositions take the fast forms of exp, tanh and division unless precise_math is asked for
+    gelu_tanh = lower_mods(_spec(score=functional.gelu(S, "tanh")))
+    assert "fg_tanh(" in gelu_tanh.score_mod_fn and "#define FLEXGEN_PRECISE_MATH" not in gelu_tanh.mod_args_decl
+    precise = lower_mods(_spec(score=functional.gelu(S, "tanh"), extra=(("precise_math", True),)))
+    assert precise.mod_args_decl.startswith("#define FLEXGEN_PRECISE_MATH 1")
+    softplus = text(functional.softplus(S, None, c(20.0)))
+    assert "return (score > 20.0f) ? score : log1pf(fg_exp(score));" in softplus
+    assert "fg_isnan(score)" in text(ir.where(un("isnan", S), c(0.0), S))
+
+
+# ---------------------------------------------------------------- the helpers header
+
+
+def test_helpers_come_from_the_header_sections():
+    from flexgen.codegen import lower as lower_module
+
+    header = (Path(lower_module.__file__).parents[1] / "templates" / "common" / "score_math.cuh").read_text()
+    sections = lower_module.header_sections("score_math.cuh")
+    assert {"fg_floordiv", "fg_tanh", "fg_round_fp16", "fg_fast"} <= set(sections)
+    for name, (body, needs) in sections.items():
+        assert body in header and body.strip(), name
+    low = lower_mods(_spec(score=un("exp", S)))
+    assert low.helpers == ("fg_exp",)
+    assert sections["fg_fast"][0] in low.mod_args_decl and sections["fg_exp"][0] in low.mod_args_decl  # exp needs fg_fast
+    assert sections["fg_tanh"][0] not in low.mod_args_decl
+
+
+@needs_gxx
+def test_whole_helpers_header_compiles_on_the_host(tmp_path):
+    from flexgen.codegen import lower as lower_module
+
+    header = Path(lower_module.__file__).parents[1] / "templates" / "common" / "score_math.cuh"
+    cpp = tmp_path / "header.cpp"
+    cpp.write_text(SHIM + header.read_text() + "\nint main() { return fg_round_fp16(1.0f) == 1.0f ? 0 : 1; }\n")
+    proc = subprocess.run([GXX, "-std=c++17", "-Wall", "-Werror", "-Wno-unused-function", "-o", str(tmp_path / "h"), str(cpp)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[:3000]
+    assert subprocess.run([str(tmp_path / "h")]).returncode == 0
+
+
+HAS_NVRTC = importlib.util.find_spec("cupy_backends") is not None
+
+
+@pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cupy) is not installed")
+@pytest.mark.parametrize("precise", [False, True])
+def test_new_ops_compile_with_nvrtc(precise):
+    """The device side of the helpers (inline PTX for the 16-bit roundings) compiles for sm_80, the fast
+    and the precise_math forms, with the backward's gradient slots."""
+    from flexgen.cache import nvrtc
+
+    spec, _ = _buffer("div", torch.float32, (8, 2), seed=51)
+    score = bin_("add", functional.gelu(un("round_to_bf16", S), "tanh"),
+                 bin_("fmod", functional.softplus(un("round_to_fp16", S), None, c(20.0)),
+                      bin_("add", un("abs", ir.load(spec, (H, c(0)))), c(1.0))))
+    mask = bin_("or", un("isnan", un("log1p", ir.cast(Q, DType.FLOAT32))), bin_("ge", un("sign", Q), KV))
+    low = lower_mods(KernelSpec(kind="bwd", score_expr=score, mask_expr=mask, grad_buffers=("div",),
+                                extra=(("precise_math", precise),) if precise else ()))
+    kernel = low.code + """
+__device__ void flexgen_grad_add(float*, float, long long) {}
+extern "C" __global__ void probe(const ModArgs args, float* out) {
+    FlexgenGradSlots grads = {};
+    const int i = threadIdx.x;
+    const float s = out[i];
+    out[i] = score_mod(s, 0, 1, i, 2, args) + score_mod_bwd(s, 0, 1, i, 2, 1.0f, args, grads)
+             + (mask_mod(0, 1, i, 2, args) ? 1.0f : 0.0f);
+}
+"""
+    ptx = nvrtc.ptx(kernel, ["--gpu-architecture=sm_80", "-std=c++17", "-default-device"], name="probe.cu")
+    assert "cvt.rn.f16.f32" in ptx and "cvt.rn.bf16.f32" in ptx
+    assert ("tanh.approx.f32" in ptx) is not precise
+
+
+# ---------------------------------------------------------------- names that C++ claims
+
+
+def test_reserved_names_become_distinct_members():
+    assert c_name("NULL") == "NULL_" and c_name("min") == "min_" and c_name("int") == "int_"
+    assert c_name("__global__") == "v_global__" and c_name("FG_FAST_MATH") == "FG_FAST_MATH_" and c_name("_Bool") == "v_Bool"
+    names = {"int": torch.int32, "int_": torch.int32, "NULL": torch.float32, "__global__": torch.float32,
+             "min": torch.float32, "FG_FAST_MATH": torch.float32, "bias": torch.float32}
+    specs = {n: BufferSpec(n, str(dt).removeprefix("torch."), 1) for n, dt in names.items()}
+    expr = S
+    for n in names:
+        expr = bin_("add", expr, ir.cast(ir.load(specs[n], (H,)), DType.FLOAT32))
+    expr = bin_("mul", expr, ir.param("bias_stride0", DType.FLOAT32))
+    low = lower_mods(_spec(score=expr, kind="bwd", grad_buffers=("bias",)))
+    members = [f.name for f in low.fields]
+    assert len(members) == len(set(members))
+    assert {"int_", "int__2", "NULL_", "v_global__", "min_", "FG_FAST_MATH_", "bias", "bias_stride0_2"} <= set(members)
+    assert "args.NULL_[" in low.score_mod_fn and "args.bias_stride0_2" in low.score_mod_fn
+
+
+@needs_gxx
+def test_reserved_names_compile_and_compute(tmp_path):
+    """Buffers named like macros the host headers define (NULL, EOF, INFINITY) and C++ keywords."""
+    cases, buffers = [], {}
+    expr = S
+    for k, name in enumerate(("NULL", "EOF", "INFINITY", "int", "int_", "__global__", "min", "FG_FAST_MATH")):
+        spec, pair = _buffer(name, torch.float32, (8,), seed=60 + k, layout="sliced")
+        buffers[name] = pair
+        expr = bin_("add", expr, bin_("mul", ir.load(spec, (H,)), c(float(k + 1))))
+    cases.append(Case("score", expr, buffers=buffers))
+    check(cases, tmp_path)
+
+
+def test_comments_stay_on_one_line():
+    from flexgen.codegen.lower import _comment
+
+    text = _comment("a\n#error boom \\\r\n*/ x \u00e9\\")
+    assert "\n" not in text and "\r" not in text and "\\" not in text and "*/" not in text
+    assert text.startswith("a?#error boom")
+
+
+# ---------------------------------------------------------------- the new ops in real kernels (GPU)
+
+GPU_ROWS = torch.randn(4, 12)
+GPU_WEIGHTS = torch.randn(12)
+GPU_SCORE_MODS = {
+    "gelu_tanh": lambda s, b, h, q, kv: F.gelu(s * 2, approximate="tanh"),
+    "softplus_silu": lambda s, b, h, q, kv: F.softplus(s, beta=2) - F.silu(s),
+    "log1p_atan": lambda s, b, h, q, kv: torch.atan(s) * torch.log1p(s.abs()),
+    "rounding": lambda s, b, h, q, kv: torch.round(s * 4) / 4 + torch.sign(s) * 0.5 + torch.fmod(s, 1.5),
+    "precision_casts": lambda s, b, h, q, kv: (s * 3.3).half().float() - s.bfloat16(),
+    "row_reduction": lambda s, b, h, q, kv: s + (GPU_ROWS_CUDA[h] * GPU_WEIGHTS_CUDA).sum(-1) * 0.3,
+}
+GPU_BACKWARD = ("gelu_tanh", "softplus_silu", "precision_casts", "row_reduction")
+GPU_ROWS_CUDA = GPU_WEIGHTS_CUDA = None
+
+
+def _gpu_case(name):
+    global GPU_ROWS_CUDA, GPU_WEIGHTS_CUDA
+    GPU_ROWS_CUDA, GPU_WEIGHTS_CUDA = GPU_ROWS.cuda(), GPU_WEIGHTS.cuda()
+    fn = GPU_SCORE_MODS[name]
+    return fn, flexgen.score_mod(fn), flexgen.mask_mod(lambda b, h, q, kv: (q >> 4) >= (kv >> 4))  # block-causal
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_SCORE_MODS))
+def test_new_ops_in_kernels_match_the_reference(name):
+    """Forward (and for some, backward) of flex_attention with the new ops against the float64 reference;
+    the bar is twice the error of PyTorch's own bf16 math on the same inputs."""
+    from lowp_math import masked_scores
+
+    fn, score, mask = _gpu_case(name)
+    B, H, L, D = 2, 4, 200, 64
+    q, k, v, do = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1.0 / math.sqrt(D)
+    bm = flexgen.create_block_mask(mask, None, None, L, L, device="cuda")
+    torch.full((B, H, L, D), float("nan"), device="cuda", dtype=torch.bfloat16)  # poison the allocator's blocks
+    learn = name in GPU_BACKWARD
+    qg, kg, vg = (t.clone().requires_grad_(learn) for t in (q, k, v))
+    out = flexgen.flex_attention(qg, kg, vg, score_mod=score, block_mask=bm, scale=scale)
+    qr, kr, vr = (t.double().requires_grad_(learn) for t in (q, k, v))
+    ref = flexgen.reference_attention(qr, kr, vr, score_mod=score, mask_mod=mask, scale=scale)
+    ql, kl, vl = (t.clone().requires_grad_(learn) for t in (q, k, v))
+    s, vv = masked_scores(ql, kl, vl, fn, lambda b, h, qi, ki: (qi >> 4) >= (ki >> 4), scale)
+    low = torch.matmul(torch.softmax(s, dim=-1), vv)
+    assert not torch.isnan(out).any()
+    err, base = (out.double() - ref).norm().item(), (low.double() - ref.detach()).norm().item()
+    assert err <= 2 * base + 1e-5, f"{name}: output error {err:.3e} > 2 x bf16 error {base:.3e} + 1e-5"
+    if learn:
+        out.backward(do)
+        ref.backward(do.double())
+        low.backward(do)
+        for what, g, r, lg in zip("qkv", (qg, kg, vg), (qr, kr, vr), (ql, kl, vl)):
+            err, base = (g.grad.double() - r.grad).norm().item(), (lg.grad.double() - r.grad).norm().item()
+            assert err <= 2 * base + 1e-4, f"{name}: d{what} error {err:.3e} > 2 x bf16 error {base:.3e} + 1e-4"

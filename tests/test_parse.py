@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flexgen
 from flexgen import variants
@@ -13,6 +14,7 @@ from flexgen.dsl.printer import pretty
 SLOPES = torch.rand(8)
 TABLE = torch.randn(8, 31)
 DOC = torch.tensor([0, 0, 1, 1, 1, 2])
+TABLE8 = TABLE[:, :8]
 
 
 def _softcap_kw(score, b, h, q_idx, kv_idx, *, cap):
@@ -51,6 +53,22 @@ SAME_IR = [
     ("1.0 / 30.0 * score", {}, lambda s, b, h, q, kv: 1.0 / 30.0 * s, {}),
     ("-3 < q_idx - kv_idx", {}, lambda b, h, q, kv: -3 < q - kv, {}),
     ("q_idx.to(torch.float32) * 0.5 + score", {}, lambda s, b, h, q, kv: q.to(torch.float32) * 0.5 + s, {}),
+    # the functions added for issue 14, with string keyword arguments and the F. / torch.nn.functional. prefixes
+    ('F.gelu(score, approximate="tanh") + gelu(score)', {},
+     lambda s, b, h, q, kv: F.gelu(s, approximate="tanh") + F.gelu(s), {}),
+    ("torch.nn.functional.silu(score) + F.softplus(score, beta=2, threshold=5.0)", {},
+     lambda s, b, h, q, kv: F.silu(s) + F.softplus(s, beta=2, threshold=5.0), {}),
+    ("round(score, decimals=2) + score.round() + floor(score) + ceil(score) + trunc(score) + sign(score)", {},
+     lambda s, b, h, q, kv: torch.round(s, decimals=2) + s.round() + torch.floor(s) + torch.ceil(s) + torch.trunc(s)
+     + torch.sign(s), {}),
+    ("torch.where(isnan(score), 0.0, log1p(atan(score)) + fmod(score, 1.5) + fmod(q_idx, 3))", {},
+     lambda s, b, h, q, kv: torch.where(torch.isnan(s), 0.0, torch.log1p(torch.atan(s)) + torch.fmod(s, 1.5) + torch.fmod(q, 3)), {}),
+    ("q_idx >> 4 == kv_idx >> 4 and (q_idx << 1) >= kv_idx", {},
+     lambda b, h, q, kv: ((q >> 4) == (kv >> 4)) & ((q << 1) >= kv), {}),
+    ("score.half() + bfloat16(score * 3.3) + score.to(torch.float16) + half(0.1)", {},
+     lambda s, b, h, q, kv: s.half() + (s * 3.3).bfloat16() + s.to(torch.float16) + 0.0999755859375, {}),
+    ("score + (TABLE8[h] * SLOPES[h]).sum(-1) + TABLE8.shape[1]", {"TABLE8": TABLE8, "SLOPES": SLOPES},
+     lambda s, b, h, q, kv: s + (TABLE8[h] * SLOPES[h]).sum(-1) + TABLE8.shape[1], {}),
 ]
 @pytest.mark.parametrize("case", SAME_IR, ids=[c[0] for c in SAME_IR])
 def test_text_and_python_give_identical_ir(case):
@@ -134,6 +152,9 @@ def test_printer_output_parses_back():
         flexgen.score_mod(lambda s, b, h, q, kv: torch.where(q >= kv, s * 2 - 1, -float("inf")) + q.long() % 3),
         flexgen.mask_mod(lambda b, h, q, kv: ((q > 1) ^ (kv > 2)) | ~(q == kv)),
         flexgen.score_mod(lambda s, b, h, q, kv: -(s ** 2) + torch.minimum(s, 1.0 + 0 * s) - (q - kv).abs()),
+        flexgen.score_mod(lambda s, b, h, q, kv: F.softplus(s.half(), beta=2) + torch.fmod(s.bfloat16(), 2.0)
+                          + torch.round(s, decimals=-1) + torch.sign(q - kv) + F.gelu(s, approximate="tanh")),
+        flexgen.mask_mod(lambda b, h, q, kv: torch.isnan(torch.log1p(torch.atan(q * 1.0))) | ((q >> 2) >= kv << 3)),
     ]
     for mod in mods:
         again = flexgen.trace(pretty(mod.expr), kind=mod.kind, **dict(mod.buffers), **dict(mod.params))
@@ -196,3 +217,13 @@ def test_unused_bindings_are_ignored():
 def test_binding_cannot_hide_an_input():
     with pytest.raises(SignatureError, match="hide the input"):
         flexgen.mask_mod("q_idx >= kv_idx", q_idx=3)
+
+
+def test_shift_precedence_and_strings():
+    a = flexgen.mask_mod("q_idx + 1 << 2 >= kv_idx >> 3 - 1")
+    b = flexgen.mask_mod(lambda b, h, q, kv: (q + 1 << 2) >= (kv >> 3 - 1))
+    assert a.expr == b.expr
+    err = _raises("score + 'tanh'", kind="score")
+    assert "str cannot be used" in str(err) and err.column == 1
+    err = _raises("gelu(score, approximate='exact')", kind="score")
+    assert "'none' or 'tanh'" in str(err)

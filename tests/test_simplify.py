@@ -174,3 +174,42 @@ def test_simplify_preserves_values(e, seed):
                 huge = before.abs() > 1e20
                 before, after = torch.where(huge, 0.0, before), torch.where(huge, 0.0, after)
             assert same_values(before, after, rtol=1e-3, atol=1e-5), (e, out)
+
+
+# ---------------------------------------------------------------- rounding ops, fmod, isnan
+
+
+def test_new_ops_fold_like_torch():
+    assert simplify(ir.unary("round", k(2.5))) == k(2.0) and simplify(ir.unary("round", k(-0.5))) == k(-0.0)
+    assert math.copysign(1.0, simplify(ir.unary("round", k(-0.5))).attr) == -1.0
+    assert simplify(ir.binary("fmod", k(-7), k(3))) == k(-1)  # the dividend's sign, unlike %
+    assert simplify(ir.binary("fmod", k(-7.5), k(2.0))) == k(-1.5)
+    assert simplify(ir.unary("isnan", k(math.nan))) == k(True)
+    assert simplify(ir.unary("sign", k(math.nan))) == k(0.0)
+    assert simplify(ir.unary("round_to_fp16", k(0.1))) == k(0.0999755859375)
+    assert simplify(ir.unary("round_to_fp16", k(65520.0))) == k(math.inf)
+    assert simplify(ir.binary("fmod", k(1), k(0))).op == "fmod"  # an integer division by zero fails at run time
+
+
+def test_rounding_ops_are_idempotent():
+    x = ir.binary("mul", s, k(3.3))
+    for op in ("floor", "ceil", "round", "trunc", "sign", "round_to_fp16", "round_to_bf16"):
+        assert simplify(ir.unary(op, ir.unary(op, x))) == ir.unary(op, x)
+    assert simplify(ir.unary("floor", ir.unary("round", x))) == ir.unary("round", x)  # already integral
+    assert simplify(ir.unary("round_to_fp16", ir.unary("round_to_bf16", x))).op == "round_to_fp16"  # not the same
+    assert simplify(ir.binary("fmod", q, k(1))) == k(0) and simplify(ir.binary("fmod", q, k(-1))) == k(0)
+    assert simplify(ir.binary("fmod", s, k(1.0))).op == "fmod"  # floats: fmod(x, 1) is the fraction
+
+
+@pytest.mark.parametrize("op", ["floor", "ceil", "round", "trunc", "sign", "round_to_fp16", "round_to_bf16"])
+def test_idempotent_rewrites_keep_values(op):
+    x = torch.tensor([0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 1e-30, 65519.0, 7e4, math.inf, -math.inf, math.nan],
+                     dtype=torch.float64)
+    x = torch.cat([x, torch.randn(64, dtype=torch.float64) * 5])
+    for inner in (op, "round", "floor"):
+        e = ir.unary(op, ir.unary(inner, s))
+        for dt in (torch.float32, torch.float64):
+            before = evaluate(e, {"score": x}, float_dtype=dt)
+            after = evaluate(simplify(e), {"score": x}, float_dtype=dt)
+            torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(torch.signbit(after), torch.signbit(before))

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import functools
+import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 import flexgen
 from flexgen import variants
@@ -279,3 +282,158 @@ def test_combined_mask_evaluates():
     kv = torch.arange(8).view(1, 8)
     ref = ((q >= kv) & (q - kv < 3)) & ((q >= kv) | (kv < 2))
     assert torch.equal(m(0, 0, q, kv), ref)
+
+
+# ---------------------------------------------------------------- more torch functions, against torch itself
+
+N_POINTS = 256
+
+
+def _points(seed: int, score_dtype=torch.float64, specials=()):
+    """Random inputs plus the values where functions have edges; b, h, q, kv as int32 like FlexAttention."""
+    g = torch.Generator().manual_seed(seed)
+    edges = [0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 3.5, 1e-30, -1e-8, 1e30, -1e30, math.inf, -math.inf, math.nan, -1.0, -2.0]
+    score = torch.cat([torch.tensor(edges + list(specials), dtype=torch.float64),
+                       torch.randn(N_POINTS, generator=g, dtype=torch.float64) * 6])
+    n = score.numel()
+    ints = {name: torch.randint(0, hi, (n,), generator=g, dtype=torch.int32)
+            for name, hi in (("b", 2), ("h", 4), ("q_idx", 200), ("kv_idx", 200))}
+    return {"score": score.to(score_dtype), **ints}
+
+
+def _against_torch(fn, exact: bool | float, seed: int = 0, score_dtype=torch.float64, specials=()):
+    """The traced mod evaluated (float64, or float32 for float32 inputs) against torch running fn per element."""
+    pts = _points(seed, score_dtype, specials)
+    mod = flexgen.score_mod(fn)
+    got = mod.evaluate(score_dtype, **pts)
+    # torch.vmap calls fn once per element, as FlexAttention does
+    want = torch.vmap(fn)(pts["score"], pts["b"], pts["h"], pts["q_idx"], pts["kv_idx"]).to(score_dtype)
+    rtol = 0.0 if exact is True else 1e-12 if exact is False else exact
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-300 if rtol else 0.0, equal_nan=True,
+                               msg=lambda m: f"{mod.pretty()}: {m}")
+    return mod
+
+
+EXACT_FUNCTIONS = {
+    "sign": lambda s, b, h, q, kv: torch.sign(s) + s.sgn() * 10,
+    "floor_ceil_trunc": lambda s, b, h, q, kv: torch.floor(s) + 3 * s.ceil() + 9 * torch.trunc(s) + s.fix(),
+    "round_half_even": lambda s, b, h, q, kv: torch.round(s) + s.round() * 0.5,
+    "round_decimals": lambda s, b, h, q, kv: torch.round(s * 7.3, decimals=2) + s.round(decimals=-1),
+    "fmod_float": lambda s, b, h, q, kv: torch.fmod(s, 1.5) + s.fmod(-2.0) * 3,
+    "fmod_int": lambda s, b, h, q, kv: s + torch.fmod(q - kv, 7) + (kv - q).fmod(-3) * 100,
+    "isnan": lambda s, b, h, q, kv: torch.where(torch.isnan(s), -1.0, s) + s.isnan().float(),
+    "shift_left": lambda s, b, h, q, kv: s + ((q - kv) << 3) + ((q - kv) << 31) + ((q - kv) << 32) + (q << 0),
+    "shift_right": lambda s, b, h, q, kv: s + ((q - kv) >> 2) + ((kv - q) >> 31) + ((q - kv) >> 40),
+    "shift_int64": lambda s, b, h, q, kv: s + (((q - kv).long() << 40) >> 38) + ((q - kv).long() >> 63),
+    "shift_functions": lambda s, b, h, q, kv: s + torch.bitwise_left_shift(q, 2) - torch.bitwise_right_shift(kv - q, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_FUNCTIONS))
+def test_exact_functions_match_torch(name):
+    _against_torch(EXACT_FUNCTIONS[name], exact=True, seed=len(name))
+
+
+CLOSE_FUNCTIONS = {
+    "log1p": lambda s, b, h, q, kv: torch.log1p(s) + s.log1p() + torch.special.log1p(s * 0.5),
+    "atan": lambda s, b, h, q, kv: torch.atan(s) + s.arctan() * 2,
+    "gelu": lambda s, b, h, q, kv: F.gelu(s),
+    "gelu_tanh": lambda s, b, h, q, kv: F.gelu(s, approximate="tanh"),
+    "silu": lambda s, b, h, q, kv: F.silu(s),
+    "softplus": lambda s, b, h, q, kv: F.softplus(s),
+    "softplus_beta_threshold": lambda s, b, h, q, kv: F.softplus(s, beta=2, threshold=5) + F.softplus(s, 0.5, 30.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLOSE_FUNCTIONS))
+def test_transcendental_functions_match_torch(name):
+    _against_torch(CLOSE_FUNCTIONS[name], exact=False, seed=len(name))
+
+
+def test_new_functions_trace_to_their_ops():
+    ops = lambda fn: {n.op for n in ir.postorder(flexgen.score_mod(fn).expr)}  # noqa: E731
+    assert ops(lambda s, b, h, q, kv: torch.round(s)) >= {"round"}
+    assert "fmod" in ops(lambda s, b, h, q, kv: torch.fmod(s, 2.0)) and "mod" not in ops(lambda s, b, h, q, kv: torch.fmod(s, 2.0))
+    assert ops(lambda s, b, h, q, kv: F.softplus(s)) == {"input", "const", "exp", "log1p", "gt", "where"}  # beta 1: no scaling
+    assert {"erf"} <= ops(lambda s, b, h, q, kv: F.gelu(s)) and "tanh" not in ops(lambda s, b, h, q, kv: F.gelu(s))
+    # rounding an integer is the integer itself (torch returns it unchanged); isnan of an integer is False
+    assert flexgen.mask_mod(lambda b, h, q, kv: torch.floor(q) >= kv).expr == ir.binary("ge", Q, KV)
+    assert flexgen.mask_mod(lambda b, h, q, kv: torch.isnan(q) | (q >= kv)).expr == ir.binary("or", ir.const(False), ir.binary("ge", Q, KV))
+
+
+# ---------------------------------------------------------------- precision casts round as torch does
+
+# float16 / bfloat16 ties (to even), overflow to inf, subnormals
+FP16_EDGES = (1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -25, 3 * 2 ** -25, 65504.0, 65519.0, 65520.0, 65535.0, 1e5, -65520.0, 6e-8, 2 ** -14 - 2 ** -26)
+BF16_EDGES = (1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.3895313892515355e38, 3.4028234663852886e38, -3.4028234663852886e38, 1e-40)
+
+CASTS = {
+    "half": lambda s, b, h, q, kv: (s * 3.1).half(),
+    "to_float16": lambda s, b, h, q, kv: s.to(torch.float16).float() * 3.1 + s,
+    "to_dtype_keyword": lambda s, b, h, q, kv: s.to(dtype=torch.float16).to(torch.float32) - s.type(torch.bfloat16),
+    "bfloat16": lambda s, b, h, q, kv: s.bfloat16().float() + s,
+    "to_bfloat16": lambda s, b, h, q, kv: (s * 1.7).to(torch.bfloat16),
+    "where_of_halves": lambda s, b, h, q, kv: torch.where(q >= kv, s.half(), s.bfloat16()),
+    "full_like_half": lambda s, b, h, q, kv: torch.full_like(s, 0.1, dtype=torch.float16) + s,
+    "int_to_half": lambda s, b, h, q, kv: s + (q * 37 - kv * 1001).half(),
+    "float_is_a_noop": lambda s, b, h, q, kv: s.float() * 2,
+}
+
+
+@pytest.mark.parametrize("score_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(CASTS))
+def test_precision_casts_round_like_torch(name, score_dtype):
+    if name == "float_is_a_noop" and score_dtype is torch.float64:
+        pytest.skip("flexgen's float is float32: .float() of a float64 ground truth keeps float64")
+    # float64: torch's .float() then computes in float32, flexgen's ground truth in float64 (well below
+    # the 2^-11 a missing rounding to float16 would leave)
+    exact = True if score_dtype is torch.float32 else 1e-6
+    mod = _against_torch(CASTS[name], exact=exact, seed=len(name), score_dtype=score_dtype, specials=FP16_EDGES + BF16_EDGES)
+    if name not in ("float_is_a_noop", "full_like_half"):  # full_like: a constant, rounded at trace time
+        assert {n.op for n in ir.postorder(mod.expr)} & set(ir.PRECISION_OPS)
+
+
+# ---------------------------------------------------------------- rows of captured tensors (small arrays)
+
+
+def test_shape_and_size_of_a_captured_row_are_constants():
+    table = torch.randn(4, 3, 5)
+    m = flexgen.score_mod(lambda s, b, h, q, kv: s + table[h].shape[1] + table[h].size(0) + table[h].size()[1]
+                          + table[h, 2].size(-1) + table[h].dim() + table[h].ndim + table[h].numel() + len(table[h])
+                          + table.shape[0] + table.size(2))
+    assert not m.buffers and {n.op for n in ir.postorder(m.expr)} == {"input", "const", "add"}
+    assert m.evaluate(score=torch.tensor(0.5), b=0, h=0, q_idx=0, kv_idx=0).item() == 0.5 + 5 + 3 + 5 + 5 + 2 + 2 + 15 + 3 + 4 + 5
+
+
+ROW_REDUCTIONS = {
+    "sum_with_captured_weights": lambda s, b, h, q, kv: s + (ROWS[h] * WEIGHTS).sum(-1),
+    "torch_sum_dim_keyword": lambda s, b, h, q, kv: s + torch.sum(WEIGHTS * ROWS[h], dim=-1),
+    "score_dependent_weights": lambda s, b, h, q, kv: (ROWS[h] * torch.tanh(s)).sum() + s,
+    "mean_amax_amin": lambda s, b, h, q, kv: s + ROWS[h].mean() + ROWS[h].amax(-1) * 2 - ROWS[h].amin() + ROWS[h].max(),
+    "dot_products": lambda s, b, h, q, kv: s + ROWS[h] @ WEIGHTS + torch.dot(WEIGHTS, ROWS[b]) + WEIGHTS @ ROWS[h],
+    "two_rows_broadcast": lambda s, b, h, q, kv: s + (GRID[h] * ROWS[b]).sum(-1).sum(),
+    "keepdim_and_index": lambda s, b, h, q, kv: s + (GRID[h] - s).amax(0, keepdim=True)[0, 2] + (GRID[h] * 2)[1].sum(),
+    "any_all_counts": lambda s, b, h, q, kv: s + (ROWS[h] > s).any() * 1.0 - (ROWS[h] < 1).all().float() + (ROWS[h] > 0).sum(),
+    "python_sum_over_row": lambda s, b, h, q, kv: s + sum(x * x for x in ROWS[h]),
+    "positional_row": lambda s, b, h, q, kv: s + (POSITIONAL[q % 8] * WEIGHTS).sum(-1) * (kv % 3),
+}
+ROWS = torch.randn(4, 6, dtype=torch.float64)
+WEIGHTS = torch.randn(6, dtype=torch.float64)
+GRID = torch.randn(4, 3, 6, dtype=torch.float64)
+POSITIONAL = torch.randn(8, 6, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", sorted(ROW_REDUCTIONS))
+def test_reductions_over_a_captured_row_match_torch(name):
+    mod = _against_torch(ROW_REDUCTIONS[name], exact=False, seed=len(name))
+    assert all(n.op not in ("load",) or len(n.args) == n.attr.ndim for n in ir.postorder(mod.expr))
+
+
+def test_row_reduction_in_the_text_form_is_the_same_ir():
+    py = flexgen.score_mod(lambda s, b, h, q, kv: s + (rows[h] * weights).sum(-1) + rows.shape[1] + rows[h] @ weights)
+    text = flexgen.score_mod("score + (rows[h] * weights).sum(-1) + rows.shape[1] + rows[h] @ weights",
+                             rows=ROWS, weights=WEIGHTS)
+    assert text.expr == py.expr and text.buffer_specs == py.buffer_specs
+
+
+rows, weights = ROWS, WEIGHTS  # the names the text form binds, for the Python form above

@@ -22,6 +22,7 @@ import re
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from ..dsl.ir import BufferSpec, DType, Node, buffers_of, inputs_of, params_of
 from ..dsl.printer import pretty
@@ -52,61 +53,6 @@ SCORE_BWD_SIGNATURE = (
     "float grad_out, const ModArgs& args)"
 )
 SCORE_BWD_GRADS_SIGNATURE = SCORE_BWD_SIGNATURE[:-1] + ", FlexgenGradSlots& grads)"
-
-# Buffer gradients: score_mod_bwd runs for each of the ~32 scores a thread handles per step, and
-# neighbouring scores often read the same buffer element (ALiBi's slopes[h]: every one of them).
-# So each gradient site k keeps a running sum for the element it last added to, in slot k of a
-# per-thread struct the kernel owns; a different element first sends the old sum out with a plain
-# atomic (lanes may diverge here, so nothing warp-wide). The kernel flushes what is left at the
-# end of a step, where the warp is converged and can merge lanes that share an element.
-_GRAD_SLOTS = """constexpr int FLEXGEN_GRAD_SITES = {sites};  // gradient sites (grads.add calls) in score_mod_bwd
-struct FlexgenGradSlots {{
-    float* addr[FLEXGEN_GRAD_SITES];  // element slot k sums into; null: nothing pending
-    float sum[FLEXGEN_GRAD_SITES];
-    // k is a literal at every call, so both arrays stay in registers.
-    __device__ __forceinline__ void add(int k, float* element, float value) {{
-        const bool same = element == addr[k];
-        // a new element: the old sum goes out now, with a plain atomic (lanes diverge here)
-        if (!same && addr[k] != nullptr) atomicAdd(addr[k], sum[k]);
-        sum[k] = same ? sum[k] + value : value;
-        addr[k] = element;
-    }}
-}};"""
-
-# Deterministic mode (spec.deterministic): the same running sums, but a sum leaves its slot only
-# with the whole warp, in a fixed order, into this warp's own partial copy of the gradients
-# (flexgen_grad_add, defined by the kernel, `shift` elements past the ModArgs pointers); the
-# runtime sums the copies in a fixed order. So every lane must call add at the same points: the
-# kernel calls score_mod_bwd for every score, and one whose grad_out is 0 (masked, or dS == 0;
-# the other mode never calls score_mod_bwd for it) adds nothing and moves no slot. A site whose
-# element depends on b and h alone (ALiBi's slopes[h]) takes add_bh, which has no vote: the
-# kernel flushes whenever (b, h) may change (once a step), so its element never moves between.
-_GRAD_SLOTS_DETERMINISTIC = """constexpr int FLEXGEN_GRAD_SITES = {sites};  // gradient sites (grads.add calls) in score_mod_bwd
-struct FlexgenGradSlots {{
-    float* addr[FLEXGEN_GRAD_SITES];  // element slot k sums into; null: nothing pending
-    float sum[FLEXGEN_GRAD_SITES];
-    long long shift;                  // this warp's partial copy: elements past the ModArgs gradient pointers
-    // Called by every lane of the warp at once; k is a literal at every call.
-    __device__ __forceinline__ void add(int k, float* element, float grad_out, float derivative) {{
-        const bool live = grad_out != 0.f;
-        const bool same = element == addr[k];
-        // lanes that move to a new element send the old sum out, all together (nothing: one vote)
-        flexgen_grad_add(live && !same ? addr[k] : nullptr, sum[k], shift);
-        if (live) {{
-            const float value = __fmul_rn(grad_out, derivative);
-            sum[k] = same ? sum[k] + value : value;
-            addr[k] = element;
-        }}
-    }}
-    // A site whose element is a function of (b, h): the same element until the next flush.
-    __device__ __forceinline__ void add_bh(int k, float* element, float grad_out, float derivative) {{
-        if (grad_out != 0.f) {{
-            const float value = __fmul_rn(grad_out, derivative);
-            sum[k] = addr[k] != nullptr ? sum[k] + value : value;
-            addr[k] = element;
-        }}
-    }}
-}};"""
 
 _CPP_KEYWORDS = frozenset(
     """alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
@@ -159,14 +105,54 @@ class LoweredMods:
 # ---------------------------------------------------------------- names
 
 
+# Identifiers a ModArgs member must not be named: macros a kernel's translation unit may define
+# (NVRTC's, libc's in the host tests, flexgen's own FG_* / FLEXGEN_*: a member `NULL` would be
+# macro-expanded), CUDA's built-in variables and common device functions.
+_C_RESERVED = _CPP_KEYWORDS | frozenset(
+    """NULL EOF INFINITY NAN HUGE_VAL HUGE_VALF assert offsetof errno stdin stdout stderr CHAR_BIT INT_MAX
+    INT_MIN UINT_MAX LLONG_MAX LLONG_MIN FLT_MAX FLT_MIN FLT_EPSILON DBL_MAX DBL_MIN DBL_EPSILON M_PI M_E
+    min max isnan isinf isfinite signbit threadIdx blockIdx blockDim gridDim warpSize typeof restrict""".split()
+)
+
+
 def c_name(name: str) -> str:
-    """A C identifier for a buffer or parameter name (kept as is when it already is one)."""
-    out = re.sub(r"\W", "_", name)
+    """A C identifier for a buffer or parameter name: the name itself unless C++, CUDA or a macro
+    claims it (then suffixed, or prefixed with v_ where a leading underscore makes it reserved)."""
+    out = re.sub(r"[^0-9A-Za-z_]", "_", name)
     if not out or out[0].isdigit():
         out = "_" + out
-    if out in _CPP_KEYWORDS or out.startswith("__") or re.match(r"_[A-Z]", out):
-        out = "v_" + out.lstrip("_") if out.startswith("_") else out + "_"
+    if out.startswith("__") or re.match(r"_[A-Z]", out):
+        return "v_" + out.lstrip("_")
+    if out in _C_RESERVED or re.match(r"(FG|FLEXGEN)_", out):
+        return out + "_"
     return out
+
+
+def _member_names(bufs: list[BufferSpec], params: dict[str, DType]) -> dict[str, str]:
+    """Buffer / parameter name -> C member name, distinct also from every derived member
+    (`bias_stride0`, `bias_grad`, ...)."""
+    taken: set[str] = {"unused_"}
+    names: dict[str, str] = {}
+    ndims = {b.name: b.ndim for b in bufs}
+    for name in [b.name for b in bufs] + list(params):
+        base = c_name(name)
+        member, n = base, 2
+        while True:
+            derived = {member}
+            if name in ndims:
+                derived |= {f"{member}_grad"} | {f"{member}{g}_stride{d}" for g in ("", "_grad") for d in range(ndims[name])}
+            if not derived & taken:
+                break
+            member, n = f"{base}_{n}", n + 1
+        taken |= derived
+        names[name] = member
+    return names
+
+
+def _comment(text: str) -> str:
+    """`text` made safe for a // comment: one line of printable ASCII, no backslash (a line splice
+    would comment out the next line) and no `*/`."""
+    return re.sub(r"[^\x20-\x7e]", "?", text).replace("\\", "/").replace("*/", "* /")
 
 
 # ---------------------------------------------------------------- literals
@@ -214,6 +200,9 @@ def int_literal(value: int, dtype: DType) -> str:
 _UNARY_FLOAT_FN = {
     "exp": "fg_exp", "exp2": "exp2f", "log": "fg_log", "log2": "fg_log2", "sqrt": "sqrtf", "rsqrt": "rsqrtf",
     "tanh": "fg_tanh", "sigmoid": "fg_sigmoid", "sin": "sinf", "cos": "cosf", "erf": "erff",
+    "log1p": "log1pf", "atan": "atanf", "floor": "floorf", "ceil": "ceilf", "trunc": "truncf",
+    "round": "rintf",  # the default rounding mode: half to even, like torch.round
+    "round_to_fp16": "fg_round_fp16", "round_to_bf16": "fg_round_bf16", "isnan": "fg_isnan",
 }
 _INFIX = {"add": "+", "sub": "-", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
           "ne": "!=", "and": "&", "or": "|", "xor": "!="}  # no short-circuit: branch-free masks
@@ -273,7 +262,7 @@ class _Body:
                 name = f"t{self.temps}"
                 self.temps += 1
                 note = pretty(node)
-                note = f"  // {note}" if len(note) <= 80 and note != _unparen(text) else ""
+                note = f"  // {_comment(note)}" if len(note) <= 80 and note != _unparen(text) else ""
                 self.lines.append(f"    const {CTYPE[node.dtype]} {name} = {_unparen(text)};{note}")
                 text = name
             self.expr[node.digest] = text
@@ -312,6 +301,8 @@ class _Body:
             return f"(!{a[0]})"
         if op == "abs":
             return _call("fabsf", a) if is_float else _call(self._helper("fg_abs"), a)
+        if op == "sign":
+            return _call(self._helper("fg_sign"), a)
         if op in _UNARY_FLOAT_FN:
             fn = _UNARY_FLOAT_FN[op]
             if fn.startswith("fg_"):
@@ -325,6 +316,8 @@ class _Body:
             return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
         if op == "mod":
             return _call(self._helper("fg_fmod_floor" if is_float else "fg_mod"), a)
+        if op == "fmod":
+            return _call("fmodf", a) if is_float else f"({a[0]} % {a[1]})"  # C's remainder is torch.fmod's
         if op == "pow":
             return _call("powf", a)
         if op in ("min", "max"):
@@ -366,75 +359,44 @@ def _convert(spec: BufferSpec, element: str, helpers: set[str]) -> str:
 
 
 # ---------------------------------------------------------------- helper device functions
-# Emitted only when used. Overloads cover int / long long (and float for min/max).
+# They live in templates/common/score_math.cuh (and the gradient slots in grad_slots.cuh), one
+# section per helper; a variant's code carries only the sections it uses.
 
-_INT_TYPES = ("int", "long long")
-_HELPERS = {
-    "fg_floordiv": "// Python/torch floor division: rounds toward -inf, unlike C's `/`.\n" + "\n".join(
-        f"__device__ __forceinline__ {t} fg_floordiv({t} a, {t} b) {{\n"
-        f"    const {t} q = a / b;\n"
-        f"    return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;\n}}" for t in _INT_TYPES),
-    "fg_mod": "// Python/torch remainder: takes the sign of the divisor, unlike C's `%`.\n" + "\n".join(
-        f"__device__ __forceinline__ {t} fg_mod({t} a, {t} b) {{\n"
-        f"    const {t} r = a % b;\n"
-        f"    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;\n}}" for t in _INT_TYPES),
-    "fg_fmod_floor": "// torch.remainder on floats: fmod, moved to the divisor's sign.\n"
-        "__device__ __forceinline__ float fg_fmod_floor(float a, float b) {\n"
-        "    float r = fmodf(a, b);\n"
-        "    if (r != 0.0f && ((r < 0.0f) != (b < 0.0f))) r += b;\n"
-        "    return r;\n}",
-    "fg_abs": "\n".join(f"__device__ __forceinline__ {t} fg_abs({t} a) {{ return a < 0 ? -a : a; }}" for t in _INT_TYPES),
-    "fg_min": "// torch.minimum: NaN wins; otherwise the first operand on ties.\n"
-        "__device__ __forceinline__ float fg_min(float a, float b) { return (a != a || b != b) ? a + b : (b < a ? b : a); }\n"
-        + "\n".join(f"__device__ __forceinline__ {t} fg_min({t} a, {t} b) {{ return b < a ? b : a; }}" for t in _INT_TYPES),
-    "fg_max": "// torch.maximum: NaN wins; otherwise the first operand on ties.\n"
-        "__device__ __forceinline__ float fg_max(float a, float b) { return (a != a || b != b) ? a + b : (a < b ? b : a); }\n"
-        + "\n".join(f"__device__ __forceinline__ {t} fg_max({t} a, {t} b) {{ return a < b ? b : a; }}" for t in _INT_TYPES),
-    "fg_fast": "#if defined(__CUDA_ARCH__) && !defined(FLEXGEN_PRECISE_MATH)\n#define FG_FAST_MATH 1\n#else\n#define FG_FAST_MATH 0\n#endif",
-    "fg_div": "__device__ __forceinline__ float fg_div(float a, float b) {\n#if FG_FAST_MATH\n    return __fdividef(a, b);\n#else\n    return a / b;\n#endif\n}",
-    "fg_exp": "__device__ __forceinline__ float fg_exp(float x) {\n#if FG_FAST_MATH\n    return __expf(x);\n#else\n    return expf(x);\n#endif\n}",
-    "fg_log": "__device__ __forceinline__ float fg_log(float x) {\n#if FG_FAST_MATH\n    return __logf(x);\n#else\n    return logf(x);\n#endif\n}",
-    "fg_log2": "__device__ __forceinline__ float fg_log2(float x) {\n#if FG_FAST_MATH\n    return __log2f(x);\n#else\n    return log2f(x);\n#endif\n}",
-    "fg_tanh": "// Fast path: the SFU's tanh.approx.f32 (one MUFU op instead of the two of 1 - 2 / (e^2x + 1); relative\n"
-        "// error about 2^-11, below bf16's 2^-9 rounding of a score); softcap's forward is MUFU-bound on Hopper.\n"
-        "__device__ __forceinline__ float fg_tanh(float x) {\n#if FG_FAST_MATH\n    float y;\n"
-        "    asm(\"tanh.approx.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x));\n    return y;\n#else\n    return tanhf(x);\n#endif\n}",
-    "fg_sigmoid": "__device__ __forceinline__ float fg_sigmoid(float x) {\n#if FG_FAST_MATH\n    return __fdividef(1.0f, 1.0f + __expf(-x));\n#else\n    return 1.0f / (1.0f + expf(-x));\n#endif\n}",
-    "fg_bf16_to_float": "// bfloat16 is the top half of a float32.\n"
-        "__device__ __forceinline__ float fg_bf16_to_float(unsigned short u) { return __uint_as_float((unsigned int)u << 16); }",
-    "fg_half_to_float": "// IEEE half -> float: one PTX instruction on the GPU, exact bit arithmetic elsewhere.\n"
-        "__device__ __forceinline__ float fg_half_to_float(unsigned short u) {\n"
-        "#ifdef __CUDA_ARCH__\n"
-        "    float f;\n"
-        "    asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(u));\n"
-        "    return f;\n"
-        "#else\n"
-        "    const unsigned int sign = (unsigned int)(u & 0x8000u) << 16, exp = (u >> 10) & 0x1fu, mant = u & 0x3ffu;\n"
-        "    if (exp == 0) {  // zero or subnormal: mant * 2^-24 is exact in float\n"
-        "        const float mag = (float)mant * 5.9604644775390625e-08f;\n"
-        "        return sign ? -mag : mag;\n"
-        "    }\n"
-        "    const unsigned int bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13)) : (sign | ((exp + 112u) << 23) | (mant << 13));\n"
-        "    return __uint_as_float(bits);\n"
-        "#endif\n"
-        "}",
-}
+_COMMON = Path(__file__).resolve().parent.parent / "templates" / "common"
+_SECTION = re.compile(r"^// @section (\w+)(?: needs ([\w ]+))?$", re.M)
 
 
-_NEEDS_FAST_FLAG = ("fg_div", "fg_exp", "fg_log", "fg_log2", "fg_tanh", "fg_sigmoid")
+@lru_cache(maxsize=None)
+def header_sections(name: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Section name -> (its text, the sections it needs), in the header's order."""
+    text = (_COMMON / name).read_text()
+    marks = list(_SECTION.finditer(text))
+    out = {}
+    for mark, following in zip(marks, marks[1:] + [None]):
+        body = text[mark.end() + 1:following.start() if following else len(text)].rstrip("\n")
+        out[mark.group(1)] = (body, tuple((mark.group(2) or "").split()))
+    return out
 
 
 def _helper_text(used: set[str]) -> str:
-    if used & set(_NEEDS_FAST_FLAG):
-        used = used | {"fg_fast"}
-    return "\n".join(text for name, text in _HELPERS.items() if name in used)
+    sections = header_sections("score_math.cuh")
+    pending = list(used)
+    while pending:
+        pending = [need for name in pending for need in sections[name][1] if need not in used]
+        used = used | set(pending)
+    return "\n".join(text for name, (text, _) in sections.items() if name in used)
+
+
+def _grad_slots(sites: int, deterministic: bool) -> str:
+    body = header_sections("grad_slots.cuh")["deterministic" if deterministic else "atomic"][0]
+    return f"constexpr int FLEXGEN_GRAD_SITES = {sites};  // gradient sites (grads.add calls) in score_mod_bwd\n{body}"
 
 
 # ---------------------------------------------------------------- functions
 
 
 def _function(signature: str, comment: list[str], body: _Body, result: str) -> str:
-    lines = [f"// {c}" for c in comment] + [signature + " {"] + body.lines + [f"    return {_unparen(result)};", "}"]
+    lines = [f"// {_comment(c)}" for c in comment] + [signature + " {"] + body.lines + [f"    return {_unparen(result)};", "}"]
     return "\n".join(lines)
 
 
@@ -456,7 +418,7 @@ def _mask_fn(expr: Node | None, names, helpers) -> str:
 def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers,
                   deterministic: bool = False) -> tuple[str, int]:
     """The text of score_mod_bwd and its number of gradient sites (0: no `grads` parameter).
-    `deterministic`: the gradient slots of deterministic mode (_GRAD_SLOTS_DETERMINISTIC)."""
+    `deterministic`: the gradient slots of deterministic mode (templates/common/grad_slots.cuh)."""
     if expr is None:
         return _function(SCORE_BWD_SIGNATURE, ["score_mod_bwd: identity score_mod, d/dscore = 1"],
                          _Body([], names, helpers), "grad_out"), 0
@@ -493,8 +455,7 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
     else:
         comment.append("  grads.add(k, &element, grad_out * derivative): a running sum in slot k; the kernel flushes the slots")
     fn = _function(SCORE_BWD_GRADS_SIGNATURE, comment, body, result)
-    slots = _GRAD_SLOTS_DETERMINISTIC if deterministic else _GRAD_SLOTS
-    return slots.format(sites=len(partials)) + "\n\n" + fn, len(partials)
+    return _grad_slots(len(partials), deterministic) + "\n\n" + fn, len(partials)
 
 
 # ---------------------------------------------------------------- the struct
@@ -528,11 +489,6 @@ def _fields(bufs: list[BufferSpec], params: dict[str, DType], grads: tuple[str, 
         fields += [ArgField(f"{names[g]}_grad_stride{d}", "long long", ("grad_stride", g, d)) for d in range(by_name[g].ndim)]
     if not fields:
         fields.append(ArgField("unused_", "int", ("padding",)))
-    seen: set[str] = set()
-    for f in fields:
-        if f.name in seen:
-            raise LoweringError(f"two ModArgs members would both be named {f.name!r}; rename a buffer or parameter")
-        seen.add(f.name)
     return fields
 
 
@@ -563,7 +519,7 @@ def lower_mods(spec) -> LoweredMods:
     for g in spec.grad_buffers:
         if g not in score_bufs:
             raise LoweringError(f"grad_buffers names {g!r}, which score_mod does not read")
-    names = {n: c_name(n) for n in [b.name for b in bufs] + list(params)}
+    names = _member_names(bufs, params)
     fields = _fields(bufs, params, tuple(spec.grad_buffers), names)
     helpers: set[str] = set()
     score_fn = _score_fn(spec.score_expr, names, helpers)

@@ -19,7 +19,9 @@ Derivatives follow torch autograd's conventions at the kinks, so they match
 * minimum/maximum: the chosen side gets the gradient, a tie splits it 0.5/0.5,
   and a NaN on either side passes it to both;
 * pow(a, b): d/da is 0 where b == 0, d/db is 0 where a == 0 and b >= 0;
-* floor division: 0; remainder: d/da = 1, d/db = -floor(a / b);
+* floor division, floor / ceil / round / trunc, sign: 0; remainder: d/da = 1, d/db = -floor(a / b);
+  fmod: d/da = 1, d/db = -trunc(a / b);
+* rounding to float16 / bfloat16: 1 (torch also rounds the gradient itself to 16 bits);
 * where: routed to the branch taken; comparisons, bools, ints and casts: 0.
 """
 from __future__ import annotations
@@ -127,7 +129,14 @@ _UNARY_LOCAL = {
         "mul", _k(_TWO_OVER_SQRT_PI), ir.unary("exp", ir.unary("neg", ir.binary("mul", a, a)))
     ),
     "abs": lambda a, f: _sign(a),
+    "log1p": lambda a, f: ir.binary("div", _k(1.0), ir.binary("add", a, _k(1.0))),
+    "atan": lambda a, f: ir.binary("div", _k(1.0), ir.binary("add", ir.binary("mul", a, a), _k(1.0))),
 }
+# Piecewise constant: zero almost everywhere, and torch's gradient is zero everywhere.
+_FLAT = ("sign", "floor", "ceil", "round", "trunc")
+# Rounding to float16 / bfloat16: torch passes the gradient straight through (x.half()'s backward
+# is grad.float(); torch rounds that gradient to the 16-bit type on the way, flexgen keeps float32).
+_STRAIGHT_THROUGH = ("round_to_fp16", "round_to_bf16")
 
 
 def _rule(n: Node, ds: list[Node | None]) -> Node | None:
@@ -140,6 +149,10 @@ def _rule(n: Node, ds: list[Node | None]) -> Node | None:
         return ir.where(c, da if da is not None else _k(0.0), db if db is not None else _k(0.0))
     if op == "neg":
         return _neg(ds[0])
+    if op in _FLAT:
+        return None
+    if op in _STRAIGHT_THROUGH:
+        return ds[0]
     if op in _UNARY_LOCAL:
         return _mul(ds[0], _UNARY_LOCAL[op](n.args[0], n))
     a, b = n.args
@@ -168,6 +181,8 @@ def _rule(n: Node, ds: list[Node | None]) -> Node | None:
         return _add(_mul(da, _pick_weight(a, b, lose_a)), _mul(db, _pick_weight(a, b, lose_b)))
     if op == "mod":  # remainder(a, b) = a - floor(a / b) * b
         return _add(da, _mul(db, ir.unary("neg", ir.binary("floordiv", a, b))))
+    if op == "fmod":  # fmod(a, b) = a - trunc(a / b) * b
+        return _add(da, _mul(db, ir.unary("neg", ir.unary("trunc", ir.binary("div", a, b)))))
     if op == "floordiv":
         return None
     raise NotImplementedError(f"no derivative rule for op {op!r}")

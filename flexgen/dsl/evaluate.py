@@ -31,6 +31,16 @@ _UNARY = {
     "sin": torch.sin,
     "cos": torch.cos,
     "erf": torch.erf,
+    "log1p": torch.log1p,
+    "atan": torch.atan,
+    "sign": torch.sign,
+    "isnan": torch.isnan,
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "round": torch.round,  # half to even
+    "trunc": torch.trunc,
+    "round_to_fp16": lambda x: x.to(torch.float16).to(x.dtype),
+    "round_to_bf16": lambda x: x.to(torch.bfloat16).to(x.dtype),
 }
 
 _BINARY = {
@@ -51,6 +61,7 @@ _BINARY = {
     "or": torch.logical_or,
     "xor": torch.logical_xor,
     "mod": torch.remainder,
+    "fmod": torch.fmod,
 }
 
 

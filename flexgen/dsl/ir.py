@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import keyword
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +42,15 @@ INPUT_DTYPES = {
     "kv_idx": DType.INT32,
 }
 
-UNARY_FLOAT_OPS = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf")
-UNARY_OPS = ("neg", "abs", "not") + UNARY_FLOAT_OPS
-ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "pow", "min", "max")
+UNARY_FLOAT_OPS = (
+    "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf", "log1p", "atan",
+)
+# Rounding to an integral value keeps the operand's type (on integers they are the identity).
+ROUNDING_OPS = ("floor", "ceil", "round", "trunc")  # round: half to even, like torch.round
+# A float32 value rounded to float16 / bfloat16 precision (nearest even) and back: x.half().float().
+PRECISION_OPS = ("round_to_fp16", "round_to_bf16")
+UNARY_OPS = ("neg", "abs", "not", "sign", "isnan") + ROUNDING_OPS + UNARY_FLOAT_OPS + PRECISION_OPS
+ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "fmod", "pow", "min", "max")  # fmod: C's, like torch.fmod
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC_OPS = ("and", "or", "xor")
 BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS
@@ -55,6 +62,21 @@ class IRTypeError(TypeError):
     """An expression whose operand types the IR does not allow."""
 
 
+MAX_NAME_LENGTH = 64
+
+
+def check_name(name: object, what: str) -> None:
+    """Buffer and parameter names reach generated C++ (members, comments): ASCII identifiers only."""
+    if (
+        not isinstance(name, str) or not name.isascii() or not name.isidentifier()
+        or keyword.iskeyword(name) or len(name) > MAX_NAME_LENGTH
+    ):
+        raise IRTypeError(
+            f"{what} name {name!r} is not allowed: names are ASCII Python identifiers (letters, digits and _, "
+            f"not starting with a digit, not a Python keyword) of at most {MAX_NAME_LENGTH} characters"
+        )
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     """What the kernel needs to know about a captured tensor: not its contents, not its shape."""
@@ -62,6 +84,9 @@ class BufferSpec:
     name: str
     dtype: str  # torch dtype name, e.g. "float32", "bfloat16", "int64", "bool"
     ndim: int
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "buffer")
 
     @property
     def load_dtype(self) -> DType:
@@ -191,6 +216,7 @@ def input_(name: str) -> Node:
 
 def param(name: str, dtype: DType) -> Node:
     """A scalar the kernel takes as a run-time argument (its value lives outside the IR)."""
+    check_name(name, "parameter")
     return Node("param", dtype, (), name)
 
 
@@ -226,8 +252,16 @@ def unary(op: str, x: Node) -> Node:
         if x.dtype is not DType.BOOL:
             raise IRTypeError(f"'~'/not needs a bool operand, got {x.dtype.value}")
         return Node(op, DType.BOOL, (x,))
-    if op in UNARY_FLOAT_OPS:
+    if op in UNARY_FLOAT_OPS or op in PRECISION_OPS:
         return Node(op, DType.FLOAT32, (cast(x, DType.FLOAT32),))
+    if op == "isnan":
+        return Node(op, DType.BOOL, (x,)) if x.dtype.is_float else const(False)
+    if op in ROUNDING_OPS and not x.dtype.is_float:
+        if x.dtype is DType.BOOL:
+            raise IRTypeError(f"{op}() needs a number, got bool")
+        return x
+    if op == "sign" and x.dtype is DType.BOOL:
+        return x  # torch.sign of a bool tensor is the tensor
     if x.dtype is DType.BOOL:
         x = cast(x, DType.INT32)
     return Node(op, x.dtype, (x,))

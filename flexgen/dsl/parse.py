@@ -23,7 +23,7 @@ from . import ir
 from .errors import FlexgenSyntaxError, FlexgenTraceError, FlexgenTypeError, SignatureError
 from .ir import DType
 from .mod import SCORE_ARGS, Mod
-from .trace import FUNCTIONS, PartialIndex, Proxy, Tracer, as_scalar, apply, arg_names, cast, to_node
+from .trace import FUNCTIONS, ArrayValue, Proxy, Tracer, as_scalar, apply, arg_names, cast, round_scalar, to_node
 
 _GRAMMAR = Path(__file__).with_name("grammar.lark")
 
@@ -102,14 +102,21 @@ def text_functions(tracer: Tracer) -> dict[str, TextFunction]:
         "int": (torch.int32, int), "int32": (torch.int32, int),
         "long": (torch.int64, int), "int64": (torch.int64, int), "bool": (torch.bool, bool),
     }
+    for low in (torch.float16, torch.bfloat16):
+        casts[str(low).removeprefix("torch.")] = (low, functools.partial(round_scalar, dtype=low))
+    casts["half"] = casts["float16"]
     for name, (dtype, fold) in casts.items():
         table[name] = TextFunction(tracer, name, _cast_handler(dtype), fold)
+    for op in ir.PRECISION_OPS:  # how the printer writes a rounding cast
+        table[op] = TextFunction(tracer, op, lambda t, x, op=op: Proxy(t, ir.unary(op, to_node(t, x))))
     table["abs"].fold = abs
     table["min"].fold = min
     table["max"].fold = max
     return table
 
 
+_SHAPE_QUERIES = ("shape", "size", "dim", "ndim", "numel")  # of a bound tensor: constants
+_NN_FUNCTIONAL = ("gelu", "silu", "softplus", "relu", "sigmoid", "tanh")  # F.<name> in the text form
 _CONSTANTS = {"True": True, "False": False, "true": True, "false": False, "inf": math.inf, "nan": math.nan, "pi": math.pi}
 _MATH = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
 
@@ -119,8 +126,11 @@ def environment(tracer: Tracer, inputs: tuple[str, ...], bindings: dict, special
     dtypes = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16,
                                                          torch.float64, torch.int32, torch.int64, torch.bool)}
     env: dict[str, Any] = {**_CONSTANTS, **functions}
+    nn_functional = Namespace("torch.nn.functional", {name: functions[name] for name in _NN_FUNCTIONAL})
+    env["F"] = nn_functional
     env["torch"] = Namespace("torch", {**functions, **dtypes, "float": torch.float32, "int": torch.int32,
-                                       "long": torch.int64, "bool": torch.bool})
+                                       "long": torch.int64, "bool": torch.bool, "half": torch.float16,
+                                       "nn": Namespace("torch.nn", {"functional": nn_functional})})
     env["math"] = Namespace("math", _MATH)
     env.update({name: tracer.input(name) for name in inputs})
     for name, value in bindings.items():
@@ -139,6 +149,7 @@ _BINARY = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
     "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow,
     "bit_and": operator.and_, "bit_or": operator.or_, "bit_xor": operator.xor,
+    "lshift": operator.lshift, "rshift": operator.rshift, "matmul": operator.matmul,
 }
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
 
@@ -176,6 +187,9 @@ class Evaluator:
             return int(text, 16)
         return float(text) if any(c in text for c in ".eE") else int(text)
 
+    def _string(self, token: Token) -> str:
+        return token.value[1:-1]
+
     def _name(self, token: Token) -> Any:
         name = token.value
         if name in self.env:
@@ -199,7 +213,7 @@ class Evaluator:
         op = _BINARY.get(rule.removeprefix("_"))
         if op is None:
             raise AttributeError(rule)
-        return lambda a, b: op(self.eval(a), self.eval(b))
+        return lambda a, *rest: op(self.eval(a), self.eval(rest[-1]))  # rest: [operator token,] operand
 
     def _logical_or(self, a: Tree, b: Tree) -> Any:
         return self._logical("or", self.eval(a), self.eval(b))
@@ -244,7 +258,7 @@ class Evaluator:
         target = self.eval(base)
         keys = tuple(self.eval(c) for c in subscripts.children if c is not None)
         key = keys[0] if len(keys) == 1 else keys
-        if isinstance(target, PartialIndex):
+        if isinstance(target, (ArrayValue, torch.Size)):
             return target[key]
         if not isinstance(target, torch.Tensor):
             raise TypeError("only tensors bound by keyword can be indexed (e.g. slopes[h] with slopes=tensor)")
@@ -272,7 +286,9 @@ class Evaluator:
             if attr not in target.members:
                 raise self.error(name.line, name.column, f"unknown name '{target.name}.{attr}'")
             return target.members[attr]
-        if isinstance(target, Proxy):
+        if isinstance(target, (Proxy, ArrayValue)):
+            return getattr(target, attr)
+        if isinstance(target, torch.Tensor) and attr in _SHAPE_QUERIES:
             return getattr(target, attr)
         raise TypeError(f"a {type(target).__name__} value has no attribute '{attr}' in the text form")
 

@@ -165,6 +165,8 @@ def _rewrite(n: Node) -> Node | None:
         return _rewrite_where(n)
     if op in ("neg", "abs", "not"):
         return _rewrite_unary(n)
+    if op in _IDEMPOTENT:
+        return _rewrite_idempotent(n)
     if len(args) != 2:
         return None
     a, b = args
@@ -228,6 +230,19 @@ def _rewrite_unary(n: Node) -> Node | None:
         return None
     if n.op == "abs" and x.op in ("abs", "neg"):
         return _mk("abs", n.dtype, (x.args[0],)) if x.op == "neg" else x
+    return None
+
+
+# op(op(x)) == op(x); a rounding to an integral value also leaves any other one's result alone
+# (floor(round(x)) == round(x), -0.0, infinities and NaN included).
+_INTEGRAL = ("floor", "ceil", "round", "trunc")
+_IDEMPOTENT = _INTEGRAL + ("sign", "round_to_fp16", "round_to_bf16")
+
+
+def _rewrite_idempotent(n: Node) -> Node | None:
+    (x,) = n.args
+    if x.op == n.op or (n.op in _INTEGRAL and x.op in _INTEGRAL):
+        return x
     return None
 
 
@@ -310,7 +325,7 @@ def _rewrite_int(n: Node, a: Node, b: Node) -> Node | None:
         return None
     if op == "floordiv" and _is_const(b, 1):
         return a
-    if op == "mod" and _is_const(b, 1):
+    if op in ("mod", "fmod") and (_is_const(b, 1) or _is_const(b, -1)):
         return _k(0, t)
     if op in ("min", "max") and a == b:
         return a

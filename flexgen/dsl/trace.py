@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import ir
+from . import functional, ir, vectors
 from .errors import (
     ControlFlowError,
     FlexgenTraceError,
@@ -156,7 +156,8 @@ class Tracer:
                 )
 
     def _fresh_name(self, base: str) -> str:
-        base = re.sub(r"\W", "_", base) or "buf"
+        # an ASCII identifier (ir.check_name), with room left for a numeric suffix
+        base = re.sub(r"[^0-9A-Za-z_]", "_", base)[:ir.MAX_NAME_LENGTH - 4] or "buf"
         if base[0].isdigit() or keyword.iskeyword(base):
             base = f"_{base}"
         taken = set(self.buffers) | set(self.params) | set(SCORE_ARGS)
@@ -280,8 +281,8 @@ def to_node(tracer: Tracer, value: Value, like: DType | None = None) -> Node:
         if value.tracer is not tracer:
             raise tracer.error(UnsupportedOperationError, "a traced value from another trace was used here")
         return value.node
-    if isinstance(value, PartialIndex):
-        raise value.too_few_error()
+    if isinstance(value, ArrayValue):
+        raise tracer.error(IndexingError, array_as_value(value))
     scalar = as_scalar(value)
     if scalar is not None:
         try:
@@ -302,6 +303,14 @@ def to_node(tracer: Tracer, value: Value, like: DType | None = None) -> Node:
         f"a value of type {type(value).__name__} cannot be used in a {tracer.kind}_mod; "
         "use traced inputs, Python numbers and captured tensors",
     )
+
+
+def array_as_value(array: "ArrayValue") -> str:
+    """Why an array cannot stand where one value is needed, and what to write instead."""
+    why = array._too_few() if isinstance(array, PartialIndex) else array.origin
+    shape = tuple(array.shape)
+    return (f"{why}; here it stands for {vectors.numel(shape)} values (shape {shape}) where one is needed: "
+            "index it, or reduce it (e.g. .sum(-1), .amax(-1))")
 
 
 def _nodes(tracer: Tracer, *values: Value) -> list[Node]:
@@ -395,6 +404,56 @@ def add_sub(tracer: Tracer, op: str, a: Value, b: Value, alpha: Value = 1) -> "P
     return binary(tracer, op, a, b)
 
 
+def round_(tracer: Tracer, x: Value, decimals: Any = 0) -> "Proxy":
+    """torch.round: half to even; with decimals, at that many decimal digits."""
+    if isinstance(decimals, bool) or not isinstance(decimals, int):
+        raise tracer.error(
+            UnsupportedOperationError, f"round(decimals=...) takes a Python int, got {type(decimals).__name__}"
+        )
+    return Proxy(tracer, functional.round_decimals(to_node(tracer, x), decimals))
+
+
+def gelu(tracer: Tracer, x: Value, approximate: Any = "none") -> "Proxy":
+    if approximate not in ("none", "tanh"):
+        raise tracer.error(
+            UnsupportedOperationError, f"gelu(approximate={approximate!r}): approximate is 'none' or 'tanh'"
+        )
+    return Proxy(tracer, functional.gelu(to_node(tracer, x), approximate))
+
+
+def softplus(tracer: Tracer, x: Value, beta: Value = 1.0, threshold: Value = 20.0) -> "Proxy":
+    beta_node = None if as_scalar(beta) == 1 else to_node(tracer, beta, DType.FLOAT32)
+    threshold_node = to_node(tracer, threshold, DType.FLOAT32)
+    return Proxy(tracer, functional.softplus(to_node(tracer, x), beta_node, threshold_node))
+
+
+def shift(tracer: Tracer, op: str, x: Value, count: Value) -> "Proxy":
+    """x << count / x >> count on integers, for a constant count (torch's results for any count)."""
+    n = as_scalar(count)
+    if n is None or isinstance(n, (bool, float)):
+        what = "a traced value" if isinstance(count, Proxy) else f"a {type(count).__name__}"
+        raise tracer.error(
+            UnsupportedOperationError,
+            f"a bit shift by {what} is not supported, only by a constant Python int "
+            "(x << 3 is x * 8 and x >> 3 is x // 8, which torch.div(x, 8, rounding_mode='floor') also writes); "
+            "for a traced count, keep the powers of two in a captured tensor and index it",
+        )
+    fn = functional.shift_left if op == "lshift" else functional.shift_right
+    return Proxy(tracer, fn(to_node(tracer, x), int(n)))
+
+
+def matmul(tracer: Tracer, a: Value, b: Value) -> "Proxy":
+    raise tracer.error(
+        UnsupportedOperationError,
+        "`@` / torch.matmul multiplies matrices, but traced values are scalars: use `*` (torch.mul); "
+        "for a dot product with a row of a captured tensor, write (table[h] * weights).sum(-1)",
+    )
+
+
+def rmatmul(tracer: Tracer, a: Value, b: Value) -> "Proxy":
+    return matmul(tracer, b, a)
+
+
 def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
     """`.to(dtype)` / `.to(device)` / `.type(dtype)`: devices are ignored (the kernel decides)."""
     dtype = kwargs.pop("dtype", None)
@@ -407,10 +466,22 @@ def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
     return Proxy(tracer, node if dtype is None else cast(tracer, node, dtype))
 
 
+# Casts to a 16-bit float round the value to that precision and keep it as a float32 (what
+# x.half().float() gives). Arithmetic on the result stays float32, where eager torch would round
+# again after every operation on a 16-bit value.
+_ROUNDING_CASTS = {torch.float16: "round_to_fp16", torch.bfloat16: "round_to_bf16"}
+
+
 def cast(tracer: Tracer, node: Node, dtype: torch.dtype) -> Node:
     if dtype not in _TORCH_DTYPE_TO_IR:
         raise tracer.error(UnsupportedOperationError, f"casting to {dtype} is not supported")
-    return ir.cast(node, _TORCH_DTYPE_TO_IR[dtype])
+    out = ir.cast(node, _TORCH_DTYPE_TO_IR[dtype])
+    return ir.unary(_ROUNDING_CASTS[dtype], out) if dtype in _ROUNDING_CASTS else out
+
+
+def round_scalar(value: bool | int | float, dtype: torch.dtype) -> float:
+    """A Python number as torch holds it in `dtype` (a 16-bit float)."""
+    return torch.tensor(float(value), dtype=torch.float64).to(dtype).item()
 
 
 def constant_like(tracer: Tracer, x: Value, fill: Value, dtype: torch.dtype | None = None, **_: Any) -> "Proxy":
@@ -420,7 +491,10 @@ def constant_like(tracer: Tracer, x: Value, fill: Value, dtype: torch.dtype | No
     target = _TORCH_DTYPE_TO_IR[dtype] if dtype is not None else to_node(tracer, x).dtype
     scalar = as_scalar(fill)
     if scalar is None:
-        return Proxy(tracer, ir.cast(to_node(tracer, fill), target))
+        return Proxy(tracer, cast(tracer, to_node(tracer, fill), dtype) if dtype is not None
+                     else ir.cast(to_node(tracer, fill), target))
+    if dtype in _ROUNDING_CASTS:
+        scalar = round_scalar(scalar, dtype)
     return Proxy(tracer, ir.const(scalar, target))
 
 
@@ -521,7 +595,7 @@ _BINARY_NAMES = {
     "minimum": "min", "maximum": "max", "fmin": "min", "fmax": "max",
     "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
     "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne",
-    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor",
+    "bitwise_and": "and", "bitwise_or": "or", "bitwise_xor": "xor", "fmod": "fmod",
 }
 _DUNDER_BINARY = {
     "add": "add", "sub": "sub", "mul": "mul", "truediv": "div", "div": "div", "floordiv": "floordiv",
@@ -543,6 +617,17 @@ FUNCTIONS: dict[str, Callable] = {
     "abs": _u("abs"), "absolute": _u("abs"), "__abs__": _u("abs"),
     "neg": _u("neg"), "negative": _u("neg"), "__neg__": _u("neg"),
     "special_expit": _u("sigmoid"), "expit": _u("sigmoid"),
+    "special_log1p": _u("log1p"), "arctan": _u("atan"),
+    "sign": _u("sign"), "sgn": _u("sign"), "isnan": _u("isnan"),
+    "floor": _u("floor"), "ceil": _u("ceil"), "trunc": _u("trunc"), "fix": _u("trunc"),
+    "round": round_, "special_round": round_,
+    "gelu": gelu, "silu": lambda t, x, inplace=False: Proxy(t, functional.silu(to_node(t, x))),
+    "softplus": softplus,
+    **{f"__{name}__": (lambda op: lambda t, a, b: shift(t, op, a, b))(name) for name in ("lshift", "rshift")},
+    **{f"__r{name}__": (lambda op: lambda t, a, b: shift(t, op, b, a))(name) for name in ("lshift", "rshift")},
+    "bitwise_left_shift": lambda t, a, b: shift(t, "lshift", a, b),
+    "bitwise_right_shift": lambda t, a, b: shift(t, "rshift", a, b),
+    "matmul": matmul, "__matmul__": matmul, "__rmatmul__": rmatmul,
     "logical_and": _lg("and"), "logical_or": _lg("or"), "logical_xor": _lg("xor"),
     "logical_not": logical_not, "bitwise_not": _u("not"), "__invert__": _u("not"),
     "where": where,
@@ -565,7 +650,7 @@ METHODS: dict[str, Callable] = {
     **{k: v for k, v in FUNCTIONS.items() if not k.startswith("__") and not k.endswith("_like")},
     "where": lambda t, x, condition, other: where(t, condition, x, other),
     "to": to_dtype, "type": to_dtype,
-    "float": _cast_to(torch.float32), "half": _cast_to(torch.float32), "bfloat16": _cast_to(torch.float32),
+    "float": _cast_to(torch.float32), "half": _cast_to(torch.float16), "bfloat16": _cast_to(torch.bfloat16),
     "double": _cast_to(torch.float32), "int": _cast_to(torch.int32), "short": _cast_to(torch.int32),
     "long": _cast_to(torch.int64), "bool": _cast_to(torch.bool),
     "new_ones": lambda t, x, size, dtype=None, **k: new_constant(t, x, size, 1, dtype),
@@ -584,7 +669,12 @@ def supported_functions() -> str:
 
 
 def apply(tracer: Tracer, what: str, handler: Callable, args: tuple, kwargs: dict) -> Any:
-    """Run a handler, turning IR type errors into errors that point at the user's line."""
+    """Run a handler, turning IR type errors into errors that point at the user's line.
+    Arrays among the arguments (rows of captured tensors) map the handler over their elements."""
+    if handler is not index and any(_is_array(v) for v in (*args, *kwargs.values())):
+        if handler in (matmul, rmatmul):  # a @ b of two rows: their dot product
+            return array_function(tracer, "matmul" if handler is matmul else "__rmatmul__", args, kwargs)
+        return elementwise(tracer, what, handler, args, kwargs)
     try:
         return handler(tracer, *args, **kwargs)
     except ir.IRTypeError as e:
@@ -603,7 +693,7 @@ def _find_tracer(values: Any) -> Tracer | None:
     stack = [values]
     while stack:
         v = stack.pop()
-        if isinstance(v, (Proxy, PartialIndex)):
+        if isinstance(v, (Proxy, ArrayValue)):
             return v.tracer
         if isinstance(v, (tuple, list)):
             stack.extend(v)
@@ -627,9 +717,8 @@ def torch_function(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     kwargs = kwargs or {}
     tracer = _find_tracer((args, kwargs))
     name = getattr(func, "__name__", "")
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, PartialIndex) and name != "__getitem__":
-            raise v.too_few_error()
+    if name in _ARRAY_FUNCTIONS and any(_is_array(v) for v in (*args, *kwargs.values())):
+        return array_function(tracer, name, args, kwargs)
     handler = METHODS["where"] if func is torch.Tensor.where else FUNCTIONS.get(name)
     if name in _CONCRETE_METHODS:
         raise concrete_value_error(tracer, f".{name}()")
@@ -644,13 +733,21 @@ def torch_function(func: Callable, args: tuple, kwargs: dict | None) -> Any:
 
 def concrete_value_error(tracer: Tracer, what: str) -> ControlFlowError:
     line = source_line(user_frame()) if tracer.locate else ""
-    if what == "bool()":
+    builtin = re.search(r"(?<![\w.])(min|max)\s*\(", line) if what == "bool()" else None
+    if builtin:
+        name = builtin.group(1)
+        detail = (
+            f"Python's built-in {name}() compares traced values with `<`, whose result is only known inside "
+            f"the kernel. Use torch.{name}imum(a, b) for the elementwise {name}imum (torch.clamp for a bound), "
+            "or torch.where(cond, a, b) to choose"
+        )
+    elif what == "bool()":
         if re.match(r"(if|elif|while|assert)\b", line):
             kind = f"a Python `{line.split()[0]}`"
         elif re.search(r"\b(and|or|not)\b", line):
             kind = "Python `and` / `or` / `not` (or a chained comparison like a < b < c)"
         else:
-            kind = "bool() (or a chained comparison like a < b < c)"
+            kind = "bool() (or a chained comparison like a < b < c, or Python's min() / max(): use torch.minimum / torch.maximum)"
         detail = (
             f"{kind} depends on a traced value, which is only known inside the kernel. "
             "Use torch.where(cond, a, b) to choose between values, and & | ~ to combine conditions"
@@ -746,6 +843,7 @@ class Proxy:
 _SYMBOLS = {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "div": "/", "floordiv": "//", "mod": "%", "pow": "**",
     "and": "&", "or": "|", "xor": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+    "lshift": "<<", "rshift": ">>", "matmul": "@",
 }
 
 
@@ -755,25 +853,100 @@ def _operator(name: str, reverse: bool) -> Callable:
     what = f"operator {_SYMBOLS[name]}"
 
     def method(self: Proxy, other: Any) -> Any:
-        if isinstance(other, PartialIndex):
-            raise other.too_few_error()
         return apply(self.tracer, what, handler, (self, other), {})
 
     method.__name__ = dunder
     return method
 
 
-for _name in _DUNDER_BINARY:
-    setattr(Proxy, f"__{_name}__", _operator(_name, reverse=False))
-    if _name not in ("lt", "le", "gt", "ge", "eq", "ne"):  # comparisons reflect on their own
-        setattr(Proxy, f"__r{_name}__", _operator(_name, reverse=True))
-for _name, _op, _what in (("neg", "neg", "unary -"), ("abs", "abs", "abs()"), ("invert", "not", "operator ~")):
-    setattr(Proxy, f"__{_name}__", (lambda op, what: lambda self: apply(self.tracer, what, _u(op), (self,), {}))(_op, _what))
+def _python_rounding(value: Any, name: str, what: str) -> Any:
+    """math.floor(x), round(x), ...: Python wants a number now (torch tensors refuse too)."""
+    raise value.tracer.error(
+        UnsupportedOperationError,
+        f"Python's {what}() needs a concrete number, but traced values are only known inside the kernel; "
+        f"use torch.{name}(x){' (half to even, like Python)' if name == 'round' else ''}",
+    )
 
 
-class PartialIndex:
-    """A buffer indexed in fewer dimensions than it has (`table[h]` of a 2-D table): it must
-    be indexed further before it is a value."""
+class ArrayValue:
+    """What a traced array answers like a tensor: its (constant) shape, and elementwise operators,
+    torch functions, methods and reductions (through apply(), which maps them over the elements)."""
+
+    __slots__ = ()
+    tracer: Tracer
+
+    @property
+    def shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    def elements(self) -> "Vector":
+        raise NotImplementedError
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return vectors.numel(tuple(self.shape))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise self.tracer.error(UnsupportedOperationError, "len() of a 0-d value")
+        return self.shape[0]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return torch_function(func, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in _CONCRETE_METHODS:
+            raise concrete_value_error(self.tracer, f".{name}()")
+        if name in _ARRAY_FUNCTIONS:
+            return lambda *args, **kwargs: array_function(self.tracer, name, (self, *args), kwargs)
+        if name in METHODS:
+            method = METHODS[name]
+            return lambda *args, **kwargs: apply(self.tracer, f".{name}()", method, (self, *args), kwargs)
+        raise self.tracer.error(UnsupportedOperationError, f"Tensor.{name} is not supported on arrays in a mod")
+
+    def __bool__(self):
+        raise concrete_value_error(self.tracer, "bool()")
+
+    def __index__(self):
+        raise concrete_value_error(self.tracer, "index")
+
+    def __float__(self):
+        raise concrete_value_error(self.tracer, "float")
+
+    __int__ = __index__
+    __hash__ = None
+
+
+for _cls in (Proxy, ArrayValue):
+    for _name in (*_DUNDER_BINARY, "lshift", "rshift", "matmul"):
+        setattr(_cls, f"__{_name}__", _operator(_name, reverse=False))
+        if _name not in ("lt", "le", "gt", "ge", "eq", "ne"):  # comparisons reflect on their own
+            setattr(_cls, f"__r{_name}__", _operator(_name, reverse=True))
+    for _name, _what in (("floor", "math.floor"), ("ceil", "math.ceil"), ("trunc", "math.trunc"), ("round", "round")):
+        setattr(_cls, f"__{_name}__", (lambda name, what: lambda self, *a: _python_rounding(self, name, what))(_name, _what))
+    for _name, _op, _what in (("neg", "neg", "unary -"), ("abs", "abs", "abs()"), ("invert", "not", "operator ~")):
+        setattr(_cls, f"__{_name}__", (lambda op, what: lambda self: apply(self.tracer, what, _u(op), (self,), {}))(_op, _what))
+
+
+class PartialIndex(ArrayValue):
+    """A buffer indexed in fewer dimensions than it has (`table[h]` of a 2-D table): indexed further
+    it is a load; used as a value it is the array of the remaining elements (at most
+    vectors.MAX_ELEMENTS of them), as it is under FlexAttention's vmap."""
 
     __slots__ = ("tracer", "tensor", "spec", "nodes")
 
@@ -783,23 +956,179 @@ class PartialIndex:
     def __getitem__(self, key: Any):
         return _load(self.tracer, self.tensor, self.spec, self.nodes, key)
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return torch_function(func, args, kwargs)
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape[len(self.nodes):]
 
-    def too_few_error(self) -> IndexingError:
-        return self.tracer.error(
-            IndexingError,
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def too_few_error(self, detail: str = "") -> IndexingError:
+        return self.tracer.error(IndexingError, self._too_few() + detail)
+
+    def _too_few(self) -> str:
+        return (
             f"buffer '{self.spec.name}' has {self.spec.ndim} dimensions but is used after indexing only "
-            f"{len(self.nodes)}; index every dimension (e.g. {self.spec.name}[h, q_idx])",
+            f"{len(self.nodes)}; index every dimension (e.g. {self.spec.name}[h, q_idx])"
         )
 
-    def _fail(self, *args: Any) -> Any:
-        raise self.too_few_error()
+    def elements(self) -> "Vector":
+        shape = tuple(self.shape)
+        if vectors.numel(shape) > vectors.MAX_ELEMENTS:
+            raise self.too_few_error(
+                f"; a computation over the remaining dimensions (shape {shape}) is supported up to "
+                f"{vectors.MAX_ELEMENTS} elements"
+            )
+        items = [ir.load(self.spec, self.nodes + _constant_index(j, shape)) for j in range(vectors.numel(shape))]
+        return Vector(self.tracer, shape, items, self._too_few())
 
-    __bool__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _fail
-    __rtruediv__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = __and__ = __or__ = __neg__ = _fail
-    __hash__ = None
+
+class Vector(ArrayValue):
+    """A small array of traced values (IR nodes, row-major): a row of a captured tensor and what is
+    computed from it elementwise, until a reduction (vectors.reduce) makes it one value."""
+
+    __slots__ = ("tracer", "_shape", "items", "origin")
+
+    def __init__(self, tracer: Tracer, shape: tuple[int, ...], items: list[Node], origin: str):
+        self.tracer, self._shape, self.items = tracer, tuple(shape), list(items)
+        self.origin = origin  # why this is an array: the error message for using it as one value
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _IR_TO_TORCH_DTYPE[self.items[0].dtype] if self.items else torch.float32
+
+    def elements(self) -> "Vector":
+        return self
+
+    def __getitem__(self, key: Any):
+        if _find_tracer(key) is not None:
+            raise self.tracer.error(
+                IndexingError,
+                "an array computed in a mod can only be indexed with constants; index the captured tensor "
+                "itself with the traced value (table[h, q_idx]) instead",
+            )
+        try:
+            picked, shape = vectors.select(self._shape, key)
+        except (IndexError, TypeError, ValueError) as e:
+            raise self.tracer.error(IndexingError, f"indexing an array of shape {self._shape}: {e}") from None
+        return Vector.of(self.tracer, shape, [self.items[i] for i in picked], self.origin)
+
+    @staticmethod
+    def of(tracer: Tracer, shape: tuple[int, ...], items: list[Node], origin: str) -> "Proxy | Vector":
+        """One value (shape ()) as a Proxy, anything else as a Vector."""
+        return Proxy(tracer, items[0]) if tuple(shape) == () else Vector(tracer, shape, items, origin)
+
+
+def _constant_index(flat: int, shape: tuple[int, ...]) -> tuple[Node, ...]:
+    return tuple(ir.const(i) for i in vectors.unravel(flat, shape))
+
+
+def _tensor_elements(tracer: Tracer, tensor: torch.Tensor) -> Vector:
+    """A captured tensor used whole in elementwise arithmetic with traced values: its elements."""
+    spec = tracer.buffer(tensor)
+    shape = tuple(tensor.shape)
+    detail = (
+        f"captured tensor '{spec.name}' of shape {shape} is used as a value; "
+        f"index it (e.g. {spec.name}[h] or {spec.name}[q_idx]) to read one element"
+    )
+    if vectors.numel(shape) > vectors.MAX_ELEMENTS:
+        raise tracer.error(IndexingError, detail)
+    items = [ir.load(spec, _constant_index(j, shape)) for j in range(vectors.numel(shape))]
+    return Vector(tracer, shape, items, detail)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, ArrayValue) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def _elements(tracer: Tracer, value: Any) -> Vector | None:
+    if isinstance(value, ArrayValue):
+        return value.elements()
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return _tensor_elements(tracer, value)
+    return None
+
+
+def elementwise(tracer: Tracer, what: str, handler: Callable, args: tuple, kwargs: dict) -> Vector:
+    """A handler applied to arrays: broadcast them (torch's rules) and apply it element by element."""
+    arrays = {key: _elements(tracer, v) for key, v in [*enumerate(args), *kwargs.items()]}
+    arrays = {key: a for key, a in arrays.items() if a is not None}
+    try:
+        shape = vectors.broadcast([a._shape for a in arrays.values()])
+    except vectors.VectorShapeError as e:
+        raise tracer.error(IndexingError, f"{what}: {e}") from None
+    picks = {key: vectors.positions(a._shape, shape) for key, a in arrays.items()}
+
+    def element(key: Any, value: Any, j: int) -> Any:
+        return Proxy(tracer, arrays[key].items[picks[key][j]]) if key in arrays else value
+
+    items = []
+    for j in range(vectors.numel(shape)):
+        a = tuple(element(i, v, j) for i, v in enumerate(args))
+        k = {name: element(name, v, j) for name, v in kwargs.items()}
+        items.append(to_node(tracer, apply(tracer, what, handler, a, k)))
+    return Vector(tracer, shape, items, next(iter(arrays.values())).origin)
+
+
+_DOTS = ("dot", "inner", "vdot", "matmul", "__matmul__", "__rmatmul__")
+_ARRAY_FUNCTIONS = (*vectors.REDUCTIONS, "max", "min", "nansum", *_DOTS)
+
+
+def array_function(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Any:
+    """Reductions and dot products of arrays (torch.sum(x, -1), x.amax(), a @ b, ...)."""
+    what = f"{name}()"
+    if name in ("max", "min"):
+        rest = args[1:]
+        if "other" in kwargs or (rest and not isinstance(rest[0], int)):
+            return apply(tracer, what, FUNCTIONS[name], args, kwargs)  # elementwise maximum / minimum
+        if rest or "dim" in kwargs:
+            raise tracer.error(
+                UnsupportedOperationError,
+                f"torch.{name}(x, dim) returns values and indices; use torch.a{name}(x, dim) for the values",
+            )
+        name = "a" + name
+    if name in _DOTS:
+        a, b = (args[1], args[0]) if name == "__rmatmul__" else args[:2]
+        va, vb = _elements(tracer, a), _elements(tracer, b)
+        if va is None or vb is None or len(va._shape) != 1 or va._shape != vb._shape:
+            shapes = [tuple(v._shape) if v is not None else () for v in (va, vb)]
+            raise tracer.error(
+                UnsupportedOperationError,
+                f"{what} of shapes {shapes[0]} and {shapes[1]}: only the dot product of two 1-d arrays of one "
+                "length is supported (write the sum of products for anything else)",
+            )
+        product = elementwise(tracer, what, FUNCTIONS["__mul__"], (va, vb), {})
+        return array_function(tracer, "sum", (product,), {})
+    x, dim, keepdim, dtype = _reduction_arguments(tracer, name, *args, **kwargs)
+    array = _elements(tracer, x)
+    if array is None:  # a scalar: a reduction over no dimension is the value itself
+        array = Vector(tracer, (), [to_node(tracer, x)], "")
+    items = array.items
+    if dtype is not None:
+        items = [cast(tracer, n, dtype) for n in items]
+    try:
+        out, shape = vectors.reduce("sum" if name == "nansum" else name, items, array._shape, dim, keepdim)
+    except vectors.VectorShapeError as e:
+        raise tracer.error(IndexingError, f"{what}: {e}") from None
+    except ir.IRTypeError as e:
+        raise tracer.error(FlexgenTypeError, f"{what}: {e}") from None
+    return Vector.of(tracer, shape, out, array.origin)
+
+
+def _reduction_arguments(tracer: Tracer, name: str, x: Any, dim: Any = None, keepdim: Any = False, *,
+                         dtype: torch.dtype | None = None, **unknown: Any):
+    if unknown or not isinstance(keepdim, bool):
+        raise tracer.error(
+            SignatureError, f"{name}(): unsupported arguments; it takes (x, dim=None, keepdim=False, dtype=None)"
+        )
+    if name == "nansum":
+        raise tracer.error(UnsupportedOperationError, "nansum() is not supported; use torch.where(x.isnan(), 0, x).sum()")
+    return x, dim, keepdim, dtype
 
 
 # ---------------------------------------------------------------- tracing Python functions
