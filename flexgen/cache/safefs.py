@@ -214,7 +214,7 @@ def _claim(fd: int, root: Path) -> None:
     if not looks_like_cache(fd):
         if not is_empty(fd):
             raise NotAFlexgenCacheError(
-                f"the cache folder {root} (FLEXGEN_CACHE_DIR) holds files that flexgen did not write and no "
+                f"the cache folder {root} (FLEXGEN_CACHE_DIR) holds files that flexgen did not write, and no "
                 f"{MARKER} from flexgen; flexgen keeps kernels only in a folder it created. "
                 "Point FLEXGEN_CACHE_DIR at a new or empty folder.")
         if os.fstat(fd).st_uid == current_uid():
