@@ -132,8 +132,16 @@ def cmd_cache(args) -> int:
         meta.pop("compiler_log", None)
         print(json.dumps({"path": str(e.path), "size_bytes": e.size, **meta}, indent=2, sort_keys=True))
     elif args.action == "clear":
-        count, size = store.clear(args.arch)
-        print(f"removed {count} kernel(s), {_size(size)}" + (f" for {args.arch}" if args.arch else ""))
+        from .cache.errors import NotAFlexgenCacheError
+
+        try:
+            done = store.clear(args.arch)
+        except NotAFlexgenCacheError as err:
+            print(f"flexgen: {err}", file=sys.stderr)
+            return 2
+        print(f"removed {done.entries} kernel(s), {_size(done.bytes)}" + (f" for {args.arch}" if args.arch else ""))
+        for kept in done.kept:
+            print(f"kept {kept}", file=sys.stderr)
     elif args.action == "size":
         print(f"{_size(store.total_size())}  {paths.cache_root()}")
     elif args.action == "path":

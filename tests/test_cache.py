@@ -204,10 +204,14 @@ def test_layout_and_meta(compiles):
 
 
 def test_atomic_write(tmp_path):
-    f = tmp_path / "d" / "x.bin"
-    store.write_atomic(f, b"one")
-    store.write_atomic(f, "two")
-    assert f.read_bytes() == b"two" and os.listdir(f.parent) == ["x.bin"]
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        store.write_atomic(fd, "x.bin", b"one")
+        store.write_atomic(fd, "x.bin", "two")
+    finally:
+        os.close(fd)
+    f = tmp_path / "x.bin"
+    assert f.read_bytes() == b"two" and os.listdir(tmp_path) == ["x.bin"] and f.stat().st_mode & 0o777 == 0o600
 
 
 def test_entries_size_and_clear(compiles):
@@ -217,7 +221,7 @@ def test_entries_size_and_clear(compiles):
     assert sorted(e.arch for e in rows) == ["sm_80", "sm_90a"] and all(e.meta and e.size > 0 for e in rows)
     assert store.total_size() >= sum(e.size for e in rows)
     assert store.find(rows[0].key[:10])[0].key == rows[0].key
-    assert store.clear("sm_80")[0] == 1
+    assert store.clear("sm_80").entries == 1
     assert [e.arch for e in store.entries()] == ["sm_90a"]
     store.clear()
     assert store.entries() == []

@@ -26,3 +26,19 @@ class CompilerFailure(Exception):
     def __init__(self, log: str):
         super().__init__(log)
         self.log = log
+
+
+class CacheSafetyError(RuntimeError):
+    """The cache folder is not one flexgen may read from or write to (see flexgen.cache.safefs)."""
+
+
+class UnsafeCacheError(CacheSafetyError):
+    """A cache folder or file that another user owns or can write, or a symbolic link inside the cache."""
+
+
+class NotAFlexgenCacheError(CacheSafetyError):
+    """FLEXGEN_CACHE_DIR names a folder that flexgen did not create (it holds other files)."""
+
+
+class LockTimeoutError(TimeoutError):
+    """Waited longer than FLEXGEN_LOCK_TIMEOUT for another process's compile lock."""

@@ -4,7 +4,8 @@
           their precomputed digest) -> no file I/O, no hashing of large strings
     warm: render the source, hash it into the key, read + checksum the entry
     cold: take the entry's file lock, look again (another process may have just built
-          it), compile, write atomically
+          it), compile, write atomically; if the cache cannot be written (read-only, another
+          user's, full), the kernel is kept in memory and a warning is given once per process
 """
 from __future__ import annotations
 
@@ -64,27 +65,56 @@ def summary(spec, key: str) -> str:
 
 def _load_or_build(spec, template_dir, be) -> CompiledKernel:
     source, flags, key = plan(spec, template_dir, be)
-    entry = store.load(spec.arch, key)
+    entry = store.load(spec.arch, key, source)
     if entry is None:
         if paths.no_jit():
             raise KernelNotCachedError(
                 f"FLEXGEN_NO_JIT is set and this kernel is not in the cache ({paths.version_dir()}): "
                 f"{summary(spec, key)}. Build it ahead of time with `flexgen build`."
             )
-        with FileLock(paths.lock_path(spec.arch, key), what=f"compiling {spec.kind} kernel {key[:16]}"):
-            entry = store.load(spec.arch, key)  # another process may have built it while we waited
-            if entry is None:
-                entry = compile_and_store(spec, source, flags, key, be)
+        entry = _build(spec, source, flags, key, be)
     return CompiledKernel(spec, key, entry.path, source, entry.cubin, entry.meta, be)
 
 
-def compile_and_store(spec, source: str, flags: list[str], key: str, be) -> store.Entry:
-    """Compile (the caller holds the entry's lock) and write the entry."""
+def _build(spec, source: str, flags: list[str], key: str, be) -> store.Entry:
+    """Compile under the entry's lock; without the lock, and without saving, if the cache cannot be written."""
+    from . import events
+    from .errors import CacheSafetyError, LockTimeoutError
+
+    lock = FileLock(paths.lock_path(spec.arch, key), what=f"compiling {spec.kind} kernel {key[:16]}")
+    try:
+        lock.acquire()
+    except LockTimeoutError:
+        raise
+    except (OSError, CacheSafetyError) as e:
+        events.not_saved(e)
+        return compile_and_store(spec, source, flags, key, be, save=False)
+    try:
+        entry = store.load(spec.arch, key, source)  # another process may have built it while we waited
+        return entry if entry is not None else compile_and_store(spec, source, flags, key, be)
+    finally:
+        lock.release()
+
+
+def compile_and_store(spec, source: str, flags: list[str], key: str, be, save: bool = True) -> store.Entry:
+    """Compile (the caller holds the entry's lock) and write the entry. A kernel that compiled but
+    cannot be written is kept in memory (warned once per process), never an error."""
+    from . import events
+    from .errors import CacheSafetyError
+
+    events.compiling(spec, key, be)
     try:
         out = be.compile(source, flags, name=f"{spec.entry_name}.cu")
     except CompilerFailure as e:
         raise compile_error(spec, key, source, e.log, be) from None
-    return install(spec, key, source, flags, be, out.cubin, out.log, out.seconds)
+    events.compiled(spec, key, be, out.seconds)
+    meta = describe(spec, flags, be, out.log, out.seconds)
+    if save:
+        try:
+            return store.write(spec.arch, key, source, out.cubin, meta)
+        except (OSError, CacheSafetyError) as e:
+            events.not_saved(e)
+    return store.unsaved(spec.arch, key, source, out.cubin, meta)
 
 
 def compile_error(spec, key: str, source: str, log: str, be) -> FlexgenCompileError:
@@ -106,10 +136,11 @@ def _resources_or_note(log: str, entry: str) -> dict:
         return {"report_missing": True}
 
 
-def install(spec, key, source, flags, be, cubin: bytes, log: str, seconds: float) -> store.Entry:
+def describe(spec, flags, be, log: str, seconds: float) -> dict:
+    """meta.json of a compiled kernel (store adds the key and the checksums)."""
     from ..dsl.printer import pretty
 
-    meta = {
+    return {
         "flexgen_version": __version__,
         "spec": spec.describe(),
         "variant": {
@@ -123,4 +154,8 @@ def install(spec, key, source, flags, be, cubin: bytes, log: str, seconds: float
         "compiler_log": log,
         "created_unix": time.time(),  # informational only; never used for invalidation
     }
-    return store.write(spec.arch, key, source, cubin, meta)
+
+
+def install(spec, key, source, flags, be, cubin: bytes, log: str, seconds: float) -> store.Entry:
+    """Write a kernel compiled elsewhere (by `flexgen build`) into the cache."""
+    return store.write(spec.arch, key, source, cubin, describe(spec, flags, be, log, seconds))

@@ -44,17 +44,14 @@ class CompiledKernel:
 
     @property
     def ptx(self) -> str:
-        """PTX of the same source, generated on first use and kept next to the cubin."""
+        """PTX of the same source, generated on first use and kept next to the cubin (checksummed
+        in meta.json, like the cubin) when the cache can be written."""
         if self._ptx is None:
-            f = self.path / store.PTX
-            try:
-                self._ptx = f.read_text()
-            except FileNotFoundError:
-                self._ptx = self._backend.ptx(self.source, self.flags)
-                try:
-                    store.write_atomic(f, self._ptx)
-                except OSError:
-                    pass
+            ptx = store.load_ptx(self.spec.arch, self.key, self.meta)
+            if ptx is None:
+                ptx = self._backend.ptx(self.source, self.flags)
+                self.meta = store.save_ptx(self.spec.arch, self.key, self.meta, ptx)
+            self._ptx = ptx
         return self._ptx
 
     def __repr__(self) -> str:

@@ -7,10 +7,16 @@ Environment variables:
   FLEXGEN_COMPILER       "nvrtc" (default) or "nvcc"
   FLEXGEN_TEMPLATE_DIR   extra template folder searched before the packaged templates
   FLEXGEN_NVCC           path of nvcc (default: the one on PATH, then /usr/local/cuda/bin)
+  FLEXGEN_LOCK_TIMEOUT   seconds to wait for another process's compile of the same kernel
+                         (default 300; "inf" waits forever)
+  FLEXGEN_CACHE_TRUST_SHARED=1
+                         load kernels from a cache that another user owns (a prebuilt, read-only
+                         cache); see flexgen.cache.safefs for what is checked
 
-Layout: <root>/<flexgen version>/<arch>/<key>/{source.cu, kernel.cubin, meta.json}
+Layout: <root>/CACHEDIR.TAG                          (marks a folder flexgen created as its cache)
+        <root>/<flexgen version>/<arch>/<key>/{source.cu, kernel.cubin, meta.json[, kernel.ptx]}
         <root>/<flexgen version>/<arch>/.locks/<key>.lock
-        <root>/<flexgen version>/failed/<key>/source.cu   (sources that did not compile)
+        <root>/<flexgen version>/failed/<key>/{source.cu, compile.log}   (sources that did not compile)
 """
 from __future__ import annotations
 
@@ -52,13 +58,34 @@ def failed_dir(key: str) -> Path:
     return version_dir() / "failed" / key
 
 
-def jinja_cache_dir() -> Path:
-    """Compiled-template bytecode, so a fresh process renders without re-parsing templates."""
-    return version_dir() / ".jinja"
+def _flag(name: str) -> bool:
+    return _env(name) not in ("", "0", "false", "False")
 
 
 def no_jit() -> bool:
-    return _env("FLEXGEN_NO_JIT") not in ("", "0", "false", "False")
+    return _flag("FLEXGEN_NO_JIT")
+
+
+def trust_shared() -> bool:
+    """FLEXGEN_CACHE_TRUST_SHARED: accept cache folders and files that another user owns."""
+    return _flag("FLEXGEN_CACHE_TRUST_SHARED")
+
+
+DEFAULT_LOCK_TIMEOUT = 300.0
+
+
+def lock_timeout() -> float:
+    """FLEXGEN_LOCK_TIMEOUT in seconds (default 300; "inf" waits forever)."""
+    text = _env("FLEXGEN_LOCK_TIMEOUT")
+    if not text:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also catches NaN
+        raise ValueError(f"FLEXGEN_LOCK_TIMEOUT must be a number of seconds >= 0 (or 'inf'), got {text!r}")
+    return seconds
 
 
 def arch_list() -> list[str]:

@@ -10,7 +10,6 @@ and the global `include_raw(path)`, which pastes a file of the search path verba
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,26 +24,10 @@ class TemplateNotFoundError(LookupError):
     pass
 
 
-class _BytecodeCache(jinja2.FileSystemBytecodeCache):
-    """Compiled templates persist across processes (keyed by the template source's checksum).
-    Only an optimization: a missing or unwritable folder is never an error."""
-
-    def load_bytecode(self, bucket) -> None:
-        try:
-            super().load_bytecode(bucket)
-        except OSError:
-            pass
-
-    def dump_bytecode(self, bucket) -> None:
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            super().dump_bytecode(bucket)
-        except OSError:
-            pass
-
-
 @lru_cache(maxsize=None)
-def _environment(search: tuple[str, ...], bytecode_dir: str) -> jinja2.Environment:
+def _environment(search: tuple[str, ...]) -> jinja2.Environment:
+    # No bytecode cache on disk: Jinja would load it with marshal, so whoever can write that folder
+    # could run code here. The Environment keeps compiled templates in memory for the process.
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(list(search)),
         undefined=jinja2.StrictUndefined,
@@ -52,7 +35,6 @@ def _environment(search: tuple[str, ...], bytecode_dir: str) -> jinja2.Environme
         lstrip_blocks=True,
         keep_trailing_newline=True,
         autoescape=False,
-        bytecode_cache=_BytecodeCache(bytecode_dir),
     )
 
     def include_raw(name: str) -> str:
@@ -65,7 +47,7 @@ def _environment(search: tuple[str, ...], bytecode_dir: str) -> jinja2.Environme
 
 def environment(template_dir: str | Path | None = None) -> jinja2.Environment:
     dirs = ([Path(template_dir)] if template_dir else []) + paths.template_dirs()
-    return _environment(tuple(str(d) for d in dirs), str(paths.jinja_cache_dir()))
+    return _environment(tuple(str(d) for d in dirs))
 
 
 def available_templates(template_dir: str | Path | None = None) -> list[str]:
