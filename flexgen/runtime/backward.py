@@ -197,6 +197,30 @@ def bwd_tiles(head_dim: int, arch: str, mask_block: tuple[int, int] | None = Non
     )
 
 
+def backward_spec(base: KernelSpec, mask_block: tuple[int, int] | None, grad_buffers: tuple[str, ...],
+                  deterministic: bool, requested_family: str | None, tile_overrides: dict) -> KernelSpec:
+    """The main kernel of a backward whose per-call spec is `base`: its family and the tiles that fit
+    the GPU and divide the block mask's blocks (`flexgen build` asks for the same kernel)."""
+    d = base.head_dim
+    family = resolve_backward_family(requested_family, base.arch, d, base.dropout, bool(grad_buffers),
+                                     bool(tile_overrides), mask_block)
+    extra = tuple(kv for kv in base.extra if kv[0] != "family") + ((("family", family),) if family else ())
+    if family == "sm90":
+        tiles = choose_config("bwd", d, base.dtype, base.arch, family_override="sm90")
+    else:
+        tiles = bwd_tiles(d, base.arch, mask_block, base.dropout, bool(grad_buffers), **tile_overrides)
+    return base.with_(grad_buffers=grad_buffers, deterministic=deterministic, extra=tuple(sorted(extra)), **tiles)
+
+
+@functools.lru_cache(maxsize=64)
+def pre_post_specs(head_dim: int, dtype: str, arch: str) -> tuple[KernelSpec, KernelSpec]:
+    """The backward's preprocess (delta, dQ accumulator) and postprocess (dQ) kernels (one spec
+    object per shape, so the kernel cache hashes it once)."""
+    pre = KernelSpec(kind="bwd_preprocess", head_dim=head_dim, dtype=dtype, arch=arch, block_m=PRE_POST_ROWS,
+                     block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
+    return pre, pre.with_(kind="bwd_postprocess")
+
+
 def _warps_for(head_dim: int, block_m: int, block_n: int, warps: int) -> int:
     """The most warps, up to `warps`, whose layout gives each one whole MMA steps and at most
     MAX_DKV_FLOATS_PER_WARP of dK, dV; 0 if there are none."""
@@ -317,18 +341,10 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if bm is not None:
         bm = _int32_lists(bm)
     mask_block = tuple(bm.BLOCK_SIZE) if bm is not None else None
-    tile_overrides = bwd_tile_overrides(kernel_options)
-    family = resolve_backward_family(options.get("family"), base.arch, d, base.dropout, bool(grad_buffers),
-                                     bool(tile_overrides), mask_block)
-    extra = tuple(kv for kv in base.extra if kv[0] != "family") + ((("family", family),) if family else ())
-    if family == "sm90":
-        tiles = choose_config("bwd", d, base.dtype, base.arch, family_override="sm90")
-    else:
-        tiles = bwd_tiles(d, base.arch, mask_block, base.dropout, bool(grad_buffers), **tile_overrides)
-    spec = base.with_(grad_buffers=grad_buffers, deterministic=deterministic, extra=tuple(sorted(extra)), **tiles)
-    pre_spec = make_spec("bwd_preprocess", query, None, None, None).with_(
-        block_m=PRE_POST_ROWS, block_n=PRE_POST_ROWS, num_warps=PRE_POST_WARPS, num_stages=1)
-    post_spec = pre_spec.with_(kind="bwd_postprocess")
+    spec = backward_spec(base, mask_block, grad_buffers, deterministic, options.get("family"),
+                         bwd_tile_overrides(kernel_options))
+    family = spec.option("family")
+    pre_spec, post_spec = pre_post_specs(d, base.dtype, base.arch)
 
     num_kv_tiles = -(-kv_len // spec.block_n)
     splits = _num_splits(num_kv_tiles, batch, kv_heads, device) if deterministic else 1
