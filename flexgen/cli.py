@@ -14,7 +14,7 @@ def _options(pairs: list[str] | None) -> dict:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {pair!r}")
+            raise ValueError(f"--set and --param expect NAME=VALUE, got {pair!r}")
         try:
             out[key.replace("-", "_")] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -32,7 +32,7 @@ def _variant_args(args) -> dict:
         if args.variant is not None:
             chosen = [v for v in variants if v["name"] == args.variant]
             if not chosen:
-                raise SystemExit(f"{args.file} has no variant named {args.variant!r}; it has {[v['name'] for v in variants]}")
+                raise ValueError(f"{args.file} has no variant named {args.variant!r}; it has {[v['name'] for v in variants]}")
             variant = dict(chosen[0])
         else:
             variant = dict(variants[0])
@@ -129,10 +129,10 @@ def cmd_cache(args) -> int:
               f"cache {paths.cache_root()} totals {_size(store.total_size())}")
     elif args.action == "info":
         if not args.key:
-            raise SystemExit("flexgen cache info needs a KEY (or a unique prefix of one)")
+            raise ValueError("cache info needs a KEY (or a unique prefix of one)")
         found = store.find(args.key)
         if len(found) != 1:
-            raise SystemExit(f"{len(found)} entries match {args.key!r}" + (": be more specific" if found else ""))
+            raise LookupError(f"{len(found)} entries match {args.key!r}" + (": be more specific" if found else ""))
         e = found[0]
         meta = dict(e.meta or {})
         meta.pop("compiler_log", None)

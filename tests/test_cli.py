@@ -154,6 +154,9 @@ def test_python_dash_m_flexgen():
     (["emit", "--set", "num_warps=four"], "flexgen: option num_warps must be a positive int, got 'four'"),
     (["emit", "--set", "pingpong=1"], "flexgen: option pingpong must be True or False, got 1"),
     (["emit", "--set", "family=sm100"], "option family must be one of ('sm80', 'sm90')"),
+    (["emit", "--set", "BLOCK_N"], "flexgen: --set and --param expect NAME=VALUE, got 'BLOCK_N'"),
+    (["cache", "info"], "flexgen: cache info needs a KEY"),
+    (["cache", "info", "0123456789abcdef"], "flexgen: 0 entries match '0123456789abcdef'"),
     (["build", "/nonexistent/variants.py", "--arch", "sm_80"], "flexgen: /nonexistent/variants.py: no such file"),
 ])
 def test_mistakes_print_one_clean_line(argv, message, capsys):
