@@ -7,6 +7,7 @@ tiles it cannot decide are evaluated, a chunk of tiles at a time, on the target 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -47,6 +48,14 @@ def _default_device() -> torch.device:
     """PyTorch's choice for device=None, the current accelerator, where one is usable; else the CPU
     (a CUDA build of torch names CUDA even on a machine with no GPU)."""
     return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_dq_fields() -> int:
+    """How many deterministic-dQ fields PyTorch's BlockMask.as_tuple has (4 from torch 2.13 on, else 0)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    return 4 if "dq_write_order" in inspect.signature(TorchBlockMask.__init__).parameters else 0
 
 
 def _pair(block_size) -> tuple[int, int]:
@@ -190,15 +199,15 @@ class BlockMask:
         return math.prod(self.shape)
 
     def as_tuple(self, flatten: bool = True) -> tuple:
-        """The fields in PyTorch's order (its deterministic-dQ fields, which flexgen does not
-        use, are None); `flatten` spreads seq_lengths and BLOCK_SIZE into two ints each."""
+        """The fields in the order of the installed PyTorch's BlockMask.as_tuple (its deterministic-dQ
+        fields, from torch 2.13 on, are None: flexgen has none); `flatten` spreads seq_lengths and
+        BLOCK_SIZE into two ints each."""
         lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
         block = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
         return (
             *lengths, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
             self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
-            None, None, None, None,  # dq_write_order, dq_write_order_full, dq_kv_order, dq_kv_order_spt
-            *block, self.mask_mod,
+            *(None,) * _torch_dq_fields(), *block, self.mask_mod,
         )
 
     def __getitem__(self, index) -> "BlockMask":

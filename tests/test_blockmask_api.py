@@ -278,3 +278,16 @@ def test_device_none_picks_like_torch(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "current_accelerator",
                         lambda check_available=False: None if check_available else torch.device("cuda"))
     assert create_block_mask(causal, None, None, 512, 512).device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_sliced_mask_needs_a_mask_mod_before_attending():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    bm = create_block_mask(per_head_window, 2, 2, 256, 256)
+    with pytest.raises(Exception, match="was sliced"):
+        flexgen.flex_attention(q, q, q, block_mask=bm[1])
+    sliced = bm[1]
+    sliced.mask_mod = lambda b, h, q_idx, kv_idx: per_head_window(b + 1, h, q_idx, kv_idx)  # the slice's own positions
+    out = flexgen.flex_attention(q, q, q, block_mask=sliced)
+    want = flexgen.reference_attention(*(q.double(),) * 3, mask_mod=lambda b, h, qi, ki: per_head_window(b + 1, h, qi, ki))
+    assert ((out.double() - want).norm() / want.norm()).item() < 2e-2
