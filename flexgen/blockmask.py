@@ -133,7 +133,12 @@ class BlockMask:
         indices_shape = tuple(getattr(kv_indices, "shape", ()))
         n_q, n_kv = (indices_shape[-2], indices_shape[-1]) if len(indices_shape) >= 2 else (0, 0)
         seq_lengths = (n_q * bq, n_kv * bkv) if seq_lengths is None else check.seq_lengths(seq_lengths, where)
-        kv_blocks = min(n_kv, -(-seq_lengths[1] // bkv))
+        kv_blocks = -(-seq_lengths[1] // bkv)
+        if n_kv < kv_blocks:  # the backward reads the transposed lists of every KV block of the sequence
+            raise ValueError(
+                f"{where}: kv_indices has {n_kv} columns but KV_LEN {seq_lengths[1]} in blocks of {bkv} has "
+                f"{kv_blocks} KV blocks; the lists need a column for each"
+            )
         kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where)
         partial = _lists_to_dense(kv_num_blocks, kv_indices, n_kv)
         check.no_repeats(kv_num_blocks, partial, "kv", where)

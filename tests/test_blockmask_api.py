@@ -118,6 +118,8 @@ def test_from_kv_blocks_refuses_inconsistent_full_lists():
         BlockMask.from_kv_blocks(counts, indices, wide_counts.clamp(max=4), wide.clamp(max=3))
     with pytest.raises(ValueError, match="seq_lengths must be a"):
         BlockMask.from_kv_blocks(counts, indices, seq_lengths=(0, 512))
+    with pytest.raises(ValueError, match="kv_indices has 4 columns but KV_LEN 600 in blocks of 128 has 5 KV blocks"):
+        BlockMask.from_kv_blocks(counts, indices, seq_lengths=(512, 600))
 
 
 def test_from_kv_blocks_accepts_what_torch_builds():
