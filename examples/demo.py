@@ -204,7 +204,7 @@ def _compile():
 
         major, minor = nvrtc.getVersion()
     except Exception as e:
-        print(f"NVRTC is not available here ({type(e).__name__}); install flexgen[cuda13] to compile. Skipped.")
+        print(f"NVRTC is not available here ({type(e).__name__}); pip install 'flexgen-attention[cuda13]' to compile. Skipped.")
         return "skipped (no NVRTC)"
     print(f"NVRTC {major}.{minor}")
     t0 = time.perf_counter()

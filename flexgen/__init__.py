@@ -28,6 +28,7 @@ _EXPORTS = {
     "KernelSpec": ".codegen.spec",
     "flex_attention": ".attention",
     "create_block_mask": ".blockmask",
+    "create_mask": ".blockmask",
     "block_sparse_mask": ".blockmask",
     "BlockMask": ".blockmask",
 }

@@ -7,11 +7,16 @@ tiles it cannot decide are evaluated, a chunk of tiles at a time, on the target 
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from . import blockmask_validate as check
 from .dsl.mod import Mod
 
 DEFAULT_BLOCK_SIZE = 128
@@ -29,6 +34,28 @@ def _as_mask_mod(mask_mod) -> Mod | None:
     if mod is noop_mask or (mod.expr.op == "const" and mod.expr.attr is True):
         return None
     return mod
+
+
+def _sliced_mask_mod(b, h, q_idx, kv_idx):
+    raise RuntimeError(
+        "this BlockMask was sliced (block_mask[...]), so it has no mask_mod: the slice's batch, head and query "
+        "positions no longer match the original's. Set sliced.mask_mod to a mask_mod written for the slice "
+        "(from the original mask_mod, with the offsets), or build a new mask for the inputs you attend with"
+    )
+
+
+def _default_device() -> torch.device:
+    """PyTorch's choice for device=None, the current accelerator, where one is usable; else the CPU
+    (a CUDA build of torch names CUDA even on a machine with no GPU)."""
+    return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_dq_fields() -> int:
+    """How many deterministic-dQ fields PyTorch's BlockMask.as_tuple has (4 from torch 2.13 on, else 0)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    return 4 if "dq_write_order" in inspect.signature(TorchBlockMask.__init__).parameters else 0
 
 
 def _pair(block_size) -> tuple[int, int]:
@@ -93,21 +120,41 @@ class BlockMask:
         mask_mod: Callable | Mod | None = None,
         seq_lengths: tuple[int, int] | None = None,
     ) -> "BlockMask":
-        if kv_indices.dim() < 2:
-            raise ValueError(f"kv_indices must have at least 2 dimensions (..., q_blocks, kv_blocks), got {tuple(kv_indices.shape)}")
+        """A mask from PyTorch's lists: for each query block, `kv_num_blocks` partial KV blocks
+        listed first in `kv_indices` (mask_mod applied), and optionally the full ones.
+
+        Shapes (B, H, nQ) and (B, H, nQ, nKV) (B and H may be left out, or be 1 to broadcast).
+        Everything is checked here: counts within a row's length, block numbers within the
+        sequence, no block listed twice, none both partial and full."""
+        where = "BlockMask.from_kv_blocks"
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
-            raise ValueError("full_kv_num_blocks and full_kv_indices must be given together")
-        bq, bkv = _pair(BLOCK_SIZE)
-        kv_num_blocks, kv_indices = kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32)
-        n_q, n_kv = kv_indices.shape[-2], kv_indices.shape[-1]
-        if seq_lengths is None:
-            seq_lengths = (n_q * bq, n_kv * bkv)
+            raise ValueError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together")
+        bq, bkv = check.block_size(BLOCK_SIZE, where)
+        indices_shape = tuple(getattr(kv_indices, "shape", ()))
+        n_q, n_kv = (indices_shape[-2], indices_shape[-1]) if len(indices_shape) >= 2 else (0, 0)
+        seq_lengths = (n_q * bq, n_kv * bkv) if seq_lengths is None else check.seq_lengths(seq_lengths, where)
+        kv_blocks = -(-seq_lengths[1] // bkv)
+        if n_kv < kv_blocks:  # the backward reads the transposed lists of every KV block of the sequence
+            raise ValueError(
+                f"{where}: kv_indices has {n_kv} columns but KV_LEN {seq_lengths[1]} in blocks of {bkv} has "
+                f"{kv_blocks} KV blocks; the lists need a column for each"
+            )
+        kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where)
         partial = _lists_to_dense(kv_num_blocks, kv_indices, n_kv)
+        check.no_repeats(kv_num_blocks, partial, "kv", where)
         q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2))
         fq_num = fq_idx = None
         if full_kv_num_blocks is not None:
-            full_kv_num_blocks, full_kv_indices = full_kv_num_blocks.to(torch.int32), full_kv_indices.to(torch.int32)
-            full = _lists_to_dense(full_kv_num_blocks, full_kv_indices, full_kv_indices.shape[-1])
+            full_kv_num_blocks, full_kv_indices = check.block_lists(full_kv_num_blocks, full_kv_indices, kv_blocks,
+                                                                    "full_kv", where)
+            if full_kv_indices.shape[-2:] != kv_indices.shape[-2:] or full_kv_indices.device != kv_indices.device:
+                raise ValueError(
+                    f"{where}: full_kv_indices {tuple(full_kv_indices.shape)} on {full_kv_indices.device} must match "
+                    f"kv_indices {tuple(kv_indices.shape)} on {kv_indices.device} in (nQ, nKV) and device"
+                )
+            full = _lists_to_dense(full_kv_num_blocks, full_kv_indices, n_kv)
+            check.no_repeats(full_kv_num_blocks, full, "full_kv", where)
+            check.disjoint(partial, full, where)
             fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
         return cls(
             seq_lengths=tuple(seq_lengths),
@@ -148,9 +195,47 @@ class BlockMask:
 
     # ------------------------------------------------------------ views
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        b, h = self.kv_indices.shape[:2] if self.kv_indices.dim() == 4 else (1, 1)
-        return (b, h, self.seq_lengths[0], self.seq_lengths[1])
+    def shape(self) -> tuple[int, ...]:
+        """(B, H, Q_LEN, KV_LEN), as PyTorch's: B and H as stored (1 where they broadcast)."""
+        return tuple(self.kv_indices.shape[:-2]) + tuple(self.seq_lengths)
+
+    def numel(self) -> int:
+        """Elements of the (B, H, Q_LEN, KV_LEN) mask it describes, sparsity aside."""
+        return math.prod(self.shape)
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """The fields in the order of the installed PyTorch's BlockMask.as_tuple (its deterministic-dQ
+        fields, from torch 2.13 on, are None: flexgen has none); `flatten` spreads seq_lengths and
+        BLOCK_SIZE into two ints each."""
+        lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
+        block = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
+        return (
+            *lengths, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+            self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
+            *(None,) * _torch_dq_fields(), *block, self.mask_mod,
+        )
+
+    def __getitem__(self, index) -> "BlockMask":
+        """The mask of some batches, heads or query blocks, like PyTorch's: an int keeps its
+        dimension (mask[0] has B = 1). The result has no mask_mod (its positions no longer match
+        the original's); set one for the slice before attending with it."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"a BlockMask takes at most 3 indices (batch, head, query block), got {len(index)}")
+        sizes = self.kv_num_blocks.shape[:3]
+        picks = []
+        for i, n, dim in zip((*index, slice(None), slice(None), slice(None)), sizes, ("batch", "head", "query block")):
+            if isinstance(i, int) and not isinstance(i, bool):
+                if not -n <= i < n:
+                    raise IndexError(f"BlockMask index {i} is out of range for {dim} of size {n}")
+                i = slice(i % n, i % n + 1)
+            picks.append(i)
+        picks = tuple(picks)
+        pick = lambda t: None if t is None else t[picks]  # noqa: E731
+        return BlockMask.from_kv_blocks(
+            pick(self.kv_num_blocks), pick(self.kv_indices), pick(self.full_kv_num_blocks), pick(self.full_kv_indices),
+            self.BLOCK_SIZE, _sliced_mask_mod if self.mask_mod is not None else None, self.seq_lengths,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -189,6 +274,33 @@ class BlockMask:
         n_q, n_kv = min(n_q, -(-q_len // self.BLOCK_SIZE[0])), min(n_kv, -(-kv_len // self.BLOCK_SIZE[1]))
         dense = self.to_dense()[..., :n_q, :n_kv]
         return 100.0 * (1.0 - dense.sum().item() / max(dense.numel(), 1))
+
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """PyTorch's picture of the visited blocks, per (batch, head): █ all visited, ░ some, blank none,
+        each cell summarising up to grid_size blocks a side (-1: one cell per block); `limit` pictures."""
+        dense = self.to_dense()
+        *batch_dims, rows, cols = dense.shape
+        if grid_size == -1:
+            max_rows, max_cols = rows, cols
+        else:
+            max_rows, max_cols = (grid_size, grid_size) if isinstance(grid_size, int) else grid_size
+        row_step, col_step = max(1, -(-rows // max(max_rows, 1))), max(1, -(-cols // max(max_cols, 1)))
+        pictures = []
+        for n, at in enumerate(itertools.product(*(range(d) for d in batch_dims))):
+            if n == limit:
+                pictures += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                             "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+                break
+            grid = dense[at].float()
+            lines = [f"{at}"]
+            for r in range(0, rows, row_step):
+                cells = (grid[r : r + row_step, c : c + col_step].mean().item() for c in range(0, cols, col_step))
+                lines.append("".join(2 * ("█" if v == 1 else " " if v == 0 else "░") for v in cells))
+            pictures.append("\n".join(lines) + "\n")
+        return "\n".join(pictures)
+
+    def __str__(self) -> str:
+        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n)"
 
     def __repr__(self) -> str:
         b, h, q_len, kv_len = self.shape
@@ -268,7 +380,7 @@ def create_block_mask(
     H: int | None,
     Q_LEN: int,
     KV_LEN: int,
-    device: str | torch.device = "cuda",
+    device: str | torch.device | None = None,
     BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     _compile: bool = False,
 ) -> BlockMask:
@@ -276,15 +388,18 @@ def create_block_mask(
 
     Tiles are classified by static analysis of the traced mask where it can decide them
     (causal, windows, prefixes: no element is evaluated); the rest are evaluated on
-    `device`, a chunk of tiles at a time. B or H of None broadcasts (size 1).
+    `device`, a chunk of tiles at a time. B or H of None broadcasts (size 1). device=None
+    picks as PyTorch does: the current accelerator (CUDA), else the CPU.
     """
-    if Q_LEN <= 0 or KV_LEN <= 0:
-        raise ValueError(f"Q_LEN and KV_LEN must be positive, got {Q_LEN} and {KV_LEN}")
-    bq, bkv = _pair(BLOCK_SIZE)
-    if bq <= 0 or bkv <= 0 or bq % 16 or bkv % 16:
-        raise ValueError(f"BLOCK_SIZE must be positive multiples of 16, got {(bq, bkv)}")
+    where = "create_block_mask"
+    for name, value in (("B", B), ("H", H)):
+        if value is not None and (check.as_int(value) is None or value <= 0):
+            raise ValueError(f"{where}: {name} must be a positive int or None (broadcast), got {value!r}")
+    if any(check.as_int(n) is None or n <= 0 for n in (Q_LEN, KV_LEN)):
+        raise ValueError(f"{where}: Q_LEN and KV_LEN must be positive ints, got {Q_LEN!r} and {KV_LEN!r}")
+    bq, bkv = check.block_size(BLOCK_SIZE, where)
     mod = _as_mask_mod(mask_mod)
-    device = torch.device(device)
+    device = _default_device() if device is None else torch.device(device)
     n_q, n_kv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
     B_, H_ = B or 1, H or 1
     if mod is None:
@@ -318,14 +433,57 @@ def block_sparse_mask(layout: torch.Tensor, BLOCK_SIZE: int | tuple[int, int] = 
     """Block-sparse attention from a boolean (B or 1, H or 1, nQ, nKV) layout of blocks.
 
     Every listed block is attended in full (no element mask); the others are skipped.
+    seq_lengths (Q_LEN, KV_LEN) defaults to whole blocks; given, it must need exactly nQ x nKV blocks.
     """
+    where = "block_sparse_mask"
+    if not isinstance(layout, torch.Tensor):
+        raise TypeError(f"{where}: layout must be a boolean torch.Tensor of blocks, got {type(layout).__name__}")
     if layout.dtype != torch.bool:
-        raise TypeError(f"layout must be a boolean tensor of blocks, got dtype {layout.dtype}")
+        raise TypeError(f"{where}: layout must be a boolean tensor of blocks, got dtype {layout.dtype}")
     if layout.dim() == 2:
         layout = layout[None, None]
-    if layout.dim() != 4:
-        raise ValueError(f"layout must have shape (B or 1, H or 1, nQ, nKV), got {tuple(layout.shape)}")
-    bq, bkv = _pair(BLOCK_SIZE)
+    if layout.dim() != 4 or 0 in layout.shape:
+        raise ValueError(f"{where}: layout must have shape (B or 1, H or 1, nQ, nKV), none of them 0, got {tuple(layout.shape)}")
+    bq, bkv = check.block_size(BLOCK_SIZE, where)
+    n_q, n_kv = layout.shape[-2:]
     if seq_lengths is None:
-        seq_lengths = (layout.shape[-2] * bq, layout.shape[-1] * bkv)
-    return BlockMask.from_dense_blocks(layout, torch.zeros_like(layout), (bq, bkv), seq_lengths, None)
+        seq_lengths = (n_q * bq, n_kv * bkv)
+    q_len, kv_len = check.seq_lengths(seq_lengths, where)
+    if (-(-q_len // bq), -(-kv_len // bkv)) != (n_q, n_kv):
+        raise ValueError(
+            f"{where}: seq_lengths {(q_len, kv_len)} in blocks of {(bq, bkv)} need a layout of "
+            f"{(-(-q_len // bq), -(-kv_len // bkv))} blocks, got {(n_q, n_kv)}"
+        )
+    return BlockMask.from_dense_blocks(layout, torch.zeros_like(layout), (bq, bkv), (q_len, kv_len), None)
+
+
+def create_mask(mod_fn, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                device: str | torch.device | None = None) -> torch.Tensor:
+    """The dense (B, H, Q_LEN, KV_LEN) boolean mask of a mask_mod, or of a score_mod (False
+    where it gives -inf), as PyTorch's create_mask; evaluated with the IR's semantics, the
+    kernels' own. Mods, plain functions (4 arguments: mask_mod, 5: score_mod) and text."""
+    from .dsl import api as dsl_api
+
+    device = _default_device() if device is None else torch.device(device)
+    B, H = B or 1, H or 1
+    mod = mod_fn if isinstance(mod_fn, Mod) else getattr(dsl_api, f"{_mod_kind(mod_fn)}_mod")(mod_fn)
+    b, h, q, kv = (torch.arange(n, device=device).view([-1 if d == i else 1 for d in range(4)])
+                   for i, n in enumerate((B, H, Q_LEN, KV_LEN)))
+    if mod.kind == "mask":
+        values = mod.evaluate(float_dtype=torch.float32, b=b, h=h, q_idx=q, kv_idx=kv)
+    else:
+        score = torch.zeros((), dtype=torch.float32, device=device)
+        values = ~torch.isneginf(mod.evaluate(float_dtype=torch.float32, score=score, b=b, h=h, q_idx=q, kv_idx=kv))
+    return values.to(torch.bool).expand(B, H, Q_LEN, KV_LEN).contiguous()
+
+
+def _mod_kind(fn) -> str:
+    """"mask" or "score" by the number of arguments without defaults, as PyTorch decides."""
+    if isinstance(fn, str):
+        raise TypeError("create_mask: text has no arity; pass flexgen.mask_mod(text) or flexgen.score_mod(text)")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) not in (4, 5):
+        raise TypeError(f"create_mask: a mask_mod takes 4 arguments (b, h, q_idx, kv_idx) and a score_mod 5, "
+                        f"{getattr(fn, '__name__', fn)!r} takes {len(params)}")
+    return "mask" if len(params) == 4 else "score"

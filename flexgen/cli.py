@@ -14,7 +14,7 @@ def _options(pairs: list[str] | None) -> dict:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {pair!r}")
+            raise ValueError(f"--set and --param expect NAME=VALUE, got {pair!r}")
         try:
             out[key.replace("-", "_")] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -32,7 +32,7 @@ def _variant_args(args) -> dict:
         if args.variant is not None:
             chosen = [v for v in variants if v["name"] == args.variant]
             if not chosen:
-                raise SystemExit(f"{args.file} has no variant named {args.variant!r}; it has {[v['name'] for v in variants]}")
+                raise ValueError(f"{args.file} has no variant named {args.variant!r}; it has {[v['name'] for v in variants]}")
             variant = dict(chosen[0])
         else:
             variant = dict(variants[0])
@@ -50,7 +50,10 @@ def _variant_args(args) -> dict:
         if args.mask:
             variant["mask_mod"] = dsl_api.mask_mod(args.mask, **used_by(args.mask))
     variant.update(_options(args.set))
-    return variant
+    from .codegen.options import spec_options
+
+    mods = {k: variant.pop(k) for k in ("score_mod", "mask_mod") if k in variant}
+    return {**mods, **spec_options(variant, args.kind, templates_take_others=bool(args.template_dir))}
 
 
 def _add_variant_arguments(p: argparse.ArgumentParser, arch_default) -> None:
@@ -64,7 +67,9 @@ def _add_variant_arguments(p: argparse.ArgumentParser, arch_default) -> None:
     p.add_argument("--arch", default=arch_default, help="target, e.g. sm_80 or sm_90a")
     p.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="bind a scalar used by --score/--mask text, e.g. cap=30.0 (becomes a kernel argument)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="option, e.g. block_n=32 or fast_math=True")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="kernel option, e.g. BLOCK_N=32 (or block_n=32), num_warps=8, family=sm80, fast_math=True; "
+                        "with --template-dir, other names reach the templates")
     p.add_argument("--template-dir", help="extra template folder searched first")
 
 
@@ -93,10 +98,11 @@ def cmd_compile(args) -> int:
 
 def cmd_build(args) -> int:
     from . import arch as archmod
-    from .cache.build import build
+    from .cache.build import build, terminal_progress
 
     archs = [archmod.normalize(a) for a in args.arch.split(",")] if args.arch else archmod.targets()
-    result = build(args.variants, archs, jobs=args.jobs, compiler=args.compiler, template_dir=args.template_dir)
+    result = build(args.variants, archs, jobs=args.jobs, compiler=args.compiler, template_dir=args.template_dir,
+                   progress=terminal_progress())
     return 0 if result.ok else 1
 
 
@@ -123,10 +129,10 @@ def cmd_cache(args) -> int:
               f"cache {paths.cache_root()} totals {_size(store.total_size())}")
     elif args.action == "info":
         if not args.key:
-            raise SystemExit("flexgen cache info needs a KEY (or a unique prefix of one)")
+            raise ValueError("cache info needs a KEY (or a unique prefix of one)")
         found = store.find(args.key)
         if len(found) != 1:
-            raise SystemExit(f"{len(found)} entries match {args.key!r}" + (": be more specific" if found else ""))
+            raise LookupError(f"{len(found)} entries match {args.key!r}" + (": be more specific" if found else ""))
         e = found[0]
         meta = dict(e.meta or {})
         meta.pop("compiler_log", None)
@@ -150,7 +156,11 @@ def cmd_cache(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="flexgen", description="Generate, compile and cache FlashAttention variants.")
+    p.add_argument("--version", action="version", version=f"flexgen {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("emit", help="print the CUDA source of one kernel")
@@ -179,20 +189,40 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+# Exit status 2: what was asked cannot be done as written (a DSL error, an unsupported head dim,
+# an unknown option, a bad file); 1: a compile failed or nothing can compile (no NVRTC, FLEXGEN_NO_JIT).
+USAGE, FAILED = 2, 1
+
+
+def _status(err: BaseException) -> int | None:
+    """The exit status for an error flexgen reports as a message, None for an internal error."""
     from .arch import UnsupportedArchError
     from .cache.errors import CompilerUnavailableError, FlexgenCompileError, KernelNotCachedError
-    from .codegen.lower import LoweringError
-    from .codegen.render import TemplateNotFoundError
+    from .dsl.errors import FlexgenTraceError
 
-    user_errors = (FlexgenCompileError, KernelNotCachedError, CompilerUnavailableError, UnsupportedArchError,
-                   LoweringError, TemplateNotFoundError, FileNotFoundError)
+    if isinstance(err, (FlexgenCompileError, KernelNotCachedError, CompilerUnavailableError)):
+        return FAILED
+    if isinstance(err, (FlexgenTraceError, UnsupportedArchError, ValueError, TypeError, LookupError, OSError)):
+        return USAGE
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except user_errors as err:  # a message, not a traceback
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # a message, not a traceback (unless --debug)
+        if args.debug:
+            raise
+        status = _status(err)
+        if status is None:
+            print(f"flexgen: internal error: {type(err).__name__}: {err} (rerun with --debug for the traceback)",
+                  file=sys.stderr)
+            return FAILED
         print(f"flexgen: {err}", file=sys.stderr)
-        return 1
+        return status
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ VARIANTS = [dict(name="alibi", score_mod=score_mod, mask_mod=mask_mod, head_dim=
     assert sorted(e.arch for e in store.entries()) == ["sm_80", "sm_90a"]
     # JIT finds exactly these kernels: no compile allowed
     monkeypatch.setenv("FLEXGEN_NO_JIT", "1")
-    for spec in expand(load_variants(variants)[0], ["sm_80", "sm_90a"]):
+    for spec in expand(load_variants(variants)[0], ["sm_80", "sm_90a"], templates_take_others=True):
         kernel = compile_spec(spec, FIXTURES)
         assert kernel.cubin[:4] == b"\x7fELF" and kernel.resources["registers"] > 0
     assert cli.main(["build", variants, "--arch", "sm_80", "--template-dir", FIXTURES]) == 0
@@ -135,3 +135,199 @@ def test_python_dash_m_flexgen():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "flexgen", "--help"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "emit" in proc.stdout and "build" in proc.stdout and "cache" in proc.stdout
+
+
+# ---------------------------------------------------------------- errors: one line, exit 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["emit", "--mask", "q_idx >="], "flexgen: line 1, column 9: syntax error"),
+    (["emit", "--mask", "q_idx >= kv_idx", "--head-dim", "48"], "head dim 48 is not one of (32, 64, 96, 128, 256)"),
+    (["emit", "--kind", "forward"], "flexgen: kernel kind 'forward' is not one of"),
+    (["emit", "--file", "/nonexistent/variants.py"], "flexgen: /nonexistent/variants.py: no such file"),
+    (["emit", "--arch", "sm_70"], "flexgen: compute capability 7.0 is older than sm_80"),
+    (["emit", "--set", "blok_n=32"], "flexgen: unknown option 'blok_n'; did you mean 'block_n'?"),
+    (["emit", "--set", "Block_N=32"], "did you mean 'block_n'?"),
+    (["emit", "--set", "BLOCK_M1=64"], "flexgen: option BLOCK_M1 sets the backward's (kind bwd) kernel, not a fwd kernel; use BLOCK_M"),
+    (["emit", "--kind", "bwd", "--set", "BLOCK_N=64"], "not a bwd kernel; use BLOCK_N1"),
+    (["emit", "--set", "BLOCK_N=32", "--set", "block_n=64"], "option block_n is given twice, as BLOCK_N and as block_n"),
+    (["emit", "--set", "num_warps=four"], "flexgen: option num_warps must be a positive int, got 'four'"),
+    (["emit", "--set", "pingpong=1"], "flexgen: option pingpong must be True or False, got 1"),
+    (["emit", "--set", "family=sm100"], "option family must be one of ('sm80', 'sm90')"),
+    (["emit", "--set", "BLOCK_N"], "flexgen: --set and --param expect NAME=VALUE, got 'BLOCK_N'"),
+    (["cache", "info"], "flexgen: cache info needs a KEY"),
+    (["cache", "info", "0123456789abcdef"], "flexgen: 0 entries match '0123456789abcdef'"),
+    (["build", "/nonexistent/variants.py", "--arch", "sm_80"], "flexgen: /nonexistent/variants.py: no such file"),
+])
+def test_mistakes_print_one_clean_line(argv, message, capsys):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("flexgen: ") and message in captured.err
+    assert captured.err.count("\n") == (3 if "syntax" in message else 1)  # the text form's error points a caret
+    assert "Traceback" not in captured.err and "File \"" not in captured.err
+
+
+@pytest.mark.parametrize("body,message", [
+    ("VARIANTS = [dict(mask_mod=undefined_name)]\n", ", line 1: NameError: name 'undefined_name' is not defined"),
+    ("x = 1\nVARIANTS = [dict(mask_mod='q_idx >= kv_idx'),\n", ", line 2: SyntaxError"),
+    ("VARIANTS = 3\n", ": VARIANTS must be a non-empty list of dicts"),
+    ("VARIANTS = [dict(mask_mod='q_idx >= kv_idx', BLOCK_Q=64)]\n", "unknown option 'BLOCK_Q'; did you mean 'BLOCK_N'?"),
+    ("VARIANTS = [dict(mask_mod='q_idx >= kv_idx', kinds=('fwd',), BLOCK_N1=64)]\n", "option BLOCK_N1 sets the backward's"),
+    ("VARIANTS = [dict(mask_mod='q_idx >', kinds=('fwd',))]\n", "syntax error"),
+])
+def test_bad_build_files_print_one_clean_line(tmp_path, body, message, capsys):
+    bad = write(tmp_path, "bad.py", body)
+    assert cli.main(["build", bad, "--arch", "sm_80"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flexgen: ") and message in err and "Traceback" not in err
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(ValueError, match="head dim 48"):
+        cli.main(["--debug", "emit", "--head-dim", "48"])
+
+
+def test_internal_errors_say_so(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr("flexgen.codegen.api.emit", broken)
+    assert cli.main(["emit"]) == 1
+    assert capsys.readouterr().err == "flexgen: internal error: AttributeError: a bug (rerun with --debug for the traceback)\n"
+
+
+def test_command_line_exit_status_and_version():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "flexgen", *a], capture_output=True, text=True, env=env)  # noqa: E731
+    bad = run("emit", "--mask", "q_idx >= kv_idx and")
+    assert bad.returncode == 2 and bad.stderr.startswith("flexgen: line 1") and "Traceback" not in bad.stderr
+    debug = run("--debug", "emit", "--mask", "q_idx >= kv_idx and")
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+    import flexgen
+
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"flexgen {flexgen.__version__}"
+
+
+# ---------------------------------------------------------------- --set: PyTorch's names
+
+
+@pytest.mark.parametrize("kind,torch_names,spec_names", [
+    ("fwd", ["BLOCK_M=64", "BLOCK_N=32", "num_warps=4", "num_stages=1"], ["block_m=64", "block_n=32", "num_warps=4", "num_stages=1"]),
+    ("bwd", ["BLOCK_M1=32", "BLOCK_N1=64", "num_warps1=4"], ["block_m=32", "block_n=64", "num_warps=4"]),
+])
+def test_set_honours_pytorch_tile_names(kind, torch_names, spec_names, capsys):
+    def emit(names):
+        argv = ["emit", "--kind", kind, "--mask", "q_idx >= kv_idx", "--head-dim", "64", "--arch", "sm_80"]
+        assert cli.main(argv + [a for n in names for a in ("--set", n)]) == 0
+        return capsys.readouterr().out
+
+    default, with_torch_names, with_spec_names = emit([]), emit(torch_names), emit(spec_names)
+    assert with_torch_names == with_spec_names != default
+    block_n = dict(n.split("=") for n in spec_names)["block_n"]
+    assert f"constexpr int BLOCK_N = {block_n};" in with_torch_names
+
+
+def test_template_dir_options_reach_the_templates(tmp_path, capsys):
+    argv = ["emit", "--file", write(tmp_path, "v.py", NODE_VARIANT), "--head-dim", "64", "--arch", "sm_80",
+            "--template-dir", FIXTURES, "--set", "tag=from-the-command-line"]
+    assert cli.main(argv) == 0
+    assert "from-the-command-line" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- build: what a training step needs
+
+
+def _runtime_specs(monkeypatch, arch, score, mask, head_dim, dtype, mask_block=(128, 128)):
+    """The kernels flex_attention's forward and backward ask the cache for, for a query of this head
+    dim and dtype on `arch`, with a block mask of mask_block blocks."""
+    import torch
+
+    import flexgen.arch
+    from flexgen.runtime.plan import _make_spec_cached, make_spec
+
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: arch)
+    _make_spec_cached.cache_clear()  # memoized per device, which here stands for several archs
+    query = torch.empty(1, 1, 4, head_dim, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    return {make_spec("fwd", query, score, mask, None, mask_block=mask_block),
+            make_spec("bwd", query, score, mask, None, mask_block=mask_block),
+            make_spec("bwd_preprocess", query, None, None, None), make_spec("bwd_postprocess", query, None, None, None)}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90a"])
+def test_build_with_a_backward_makes_what_a_training_step_asks_for(tmp_path, monkeypatch, arch):
+    from flexgen import variants as V
+
+    variants = write(tmp_path, "train.py", """
+        from flexgen import variants as V
+        VARIANTS = [dict(name="train", score_mod=V.softcap(30.0), mask_mod=V.causal, head_dims=(64, 128),
+                         dtypes=("bf16", "fp16"), kinds=("fwd", "bwd")),
+                    dict(name="small blocks", mask_mod=V.causal, head_dim=128, kinds=("fwd", "bwd"), BLOCK_SIZE=64)]
+    """)
+    train, small = load_variants(variants)
+    specs = expand(train, [arch])
+    kinds = [s.kind for s in specs]
+    assert kinds.count("fwd") == kinds.count("bwd") == kinds.count("bwd_preprocess") == kinds.count("bwd_postprocess") == 4
+    for d in (64, 128):
+        for dt in ("bf16", "fp16"):
+            wanted = _runtime_specs(monkeypatch, arch, V.softcap(30.0), V.causal, d, dt)
+            assert wanted == {s for s in specs if s.head_dim == d and s.dtype == dt}
+    wanted = _runtime_specs(monkeypatch, arch, None, V.causal, 128, "bf16", mask_block=(64, 64))
+    assert wanted == set(expand(small, [arch]))
+    assert [s.kind for s in expand(dict(mask_mod="q_idx >= kv_idx", kinds=("fwd",)), [arch])] == ["fwd"]
+
+
+def test_build_options_split_between_passes(tmp_path):
+    variant = dict(mask_mod="q_idx >= kv_idx", kinds=("fwd", "bwd"), head_dim=64, BLOCK_N=32, BLOCK_N1=64,
+                   deterministic=True)
+    by_kind = {s.kind: s for s in expand(variant, ["sm_80"])}
+    assert by_kind["fwd"].block_n == 32 and not by_kind["fwd"].deterministic
+    assert by_kind["bwd"].block_n == 64 and by_kind["bwd"].deterministic
+
+
+@needs_nvrtc
+def test_ahead_of_time_cache_serves_a_training_step(tmp_path, monkeypatch, capsys):
+    """Every kernel of forward + backward comes from a built cache with FLEXGEN_NO_JIT=1, and the
+    progress callback sees each kernel finish."""
+    variants = write(tmp_path, "variants.py", NODE_VARIANT + """
+VARIANTS = [dict(name="alibi", score_mod=score_mod, mask_mod=mask_mod, head_dim=64, kinds=("fwd", "bwd"))]
+""")
+    from flexgen.cache.build import build
+
+    seen = []
+    result = build(variants, ["sm_80"], jobs=2, template_dir=FIXTURES, log=lambda *a: None,
+                   progress=lambda done, total, what: seen.append((done, total)))
+    assert result.ok and sorted(s.kind for s, _ in result.built) == ["bwd", "bwd_postprocess", "bwd_preprocess", "fwd"]
+    assert seen[-1] == (4, 4) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    monkeypatch.setenv("FLEXGEN_NO_JIT", "1")
+    jit.clear_memory()
+    for spec in expand(load_variants(variants)[0], ["sm_80"], templates_take_others=True):
+        assert compile_spec(spec, FIXTURES).cubin[:4] == b"\x7fELF"
+
+
+def test_progress_bar_only_on_a_terminal():
+    import io
+
+    from flexgen.cache.build import terminal_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert terminal_progress(io.StringIO()) is None
+    screen = Terminal()
+    show = terminal_progress(screen)
+    show(1, 4, "nvrtc fwd d=64")
+    show(4, 4, "nvrtc bwd d=64")
+    assert screen.getvalue() == ("\r\x1b[K[######..................] 1/4 nvrtc fwd d=64"
+                                 "\r\x1b[K[########################] 4/4 nvrtc bwd d=64\n")
+
+
+def test_readme_build_file_example(tmp_path):
+    """The build file the README shows loads and expands into the kernels it describes."""
+    readme = (HERE.parent / "README.md").read_text()
+    example = readme.split("A build file is plain Python")[1].split("```python")[1].split("```")[0]
+    variants = load_variants(write(tmp_path, "variants.py", example))
+    softcap, window = (expand(v, ["sm_80"]) for v in variants)
+    assert sorted(s.kind for s in softcap) == sorted(["fwd", "bwd", "bwd_preprocess", "bwd_postprocess"] * 2)
+    assert [(s.kind, s.block_n, s.head_dim) for s in window] == [("fwd", 32, 128)]

@@ -11,11 +11,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flexgen"
 LAYERS = {
     # settings and target facts that every layer reads; the cache package module imports nothing
     "flexgen": 0, "flexgen.cache": 0, "flexgen.cache.paths": 0, "flexgen.arch": 0, "flexgen.dropout": 0,
-    "flexgen.dsl": 1, "flexgen.blockmask": 1,
+    "flexgen.dsl": 1, "flexgen.blockmask": 1, "flexgen.blockmask_validate": 1,
     "flexgen.codegen": 2,
     "flexgen.cache.errors": 3, "flexgen.cache.jit": 3, "flexgen.cache.kernel": 3, "flexgen.cache.lock": 3,
     "flexgen.cache.ninja": 3, "flexgen.cache.nvcc": 3, "flexgen.cache.nvrtc": 3, "flexgen.cache.ptxas": 3,
-    "flexgen.cache.store": 3,
+    "flexgen.cache.store": 3, "flexgen.cache.events": 3, "flexgen.cache.safefs": 3, "flexgen.cache.layout": 3,
+    "flexgen.cache.maintenance": 3,
     "flexgen.runtime": 4,
     # the public API: flex_attention and its custom ops, emit / compile, `flexgen build`, the command line
     "flexgen.attention": 5, "flexgen.ops": 5, "flexgen.variant": 5, "flexgen.codegen.api": 5,

@@ -282,7 +282,7 @@ def block_layout_mask(partial, full, bq, bkv, mask, B, H, Lq, Lkv):
 @pytest.mark.parametrize("mb,mh", [(1, 1), (2, 1), (2, 4)])
 def test_block_mask_is_blocks_and_mask_mod(mb, mh):
     g = torch.Generator().manual_seed(mb * 10 + mh)
-    B, H, Lq, Lkv, bq, bkv = 2, 4, 21, 26, 8, 8
+    B, H, Lq, Lkv, bq, bkv = 2, 4, 37, 50, 16, 16
     nq, nkv = -(-Lq // bq), -(-Lkv // bkv)
     state = torch.randint(0, 3, (mb, mh, nq, nkv), generator=g)  # 0 skipped, 1 partial, 2 full
     partial, full = state == 1, state == 2

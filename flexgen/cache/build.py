@@ -3,7 +3,8 @@
 VARIANTS.py is plain Python, in one of two forms:
 
     # 1. a list of variants; every key but score_mod/mask_mod/kinds/head_dim(s)/dtype(s)/name
-    #    is a make_spec option (block_n=32, grad_buffers=("bias",), fast_math=True, ...)
+    #    is a kernel option (BLOCK_N=32 or block_n=32, BLOCK_M1=64 for the backward, grad_buffers=("bias",),
+    #    precise_math=True, ...): the names `flexgen emit --set` takes
     VARIANTS = [
         dict(name="alibi", score_mod=alibi, mask_mod=causal, head_dim=128, dtype="bf16", kinds=("fwd", "bwd")),
         dict(mask_mod="q_idx >= kv_idx", head_dims=(64, 128), dtypes=("bf16", "fp16")),
@@ -11,62 +12,111 @@ VARIANTS.py is plain Python, in one of two forms:
 
     # 2. or module-level `score_mod` and/or `mask_mod` (plus optional HEAD_DIMS, DTYPES, KINDS)
 
-score_mod / mask_mod may be Mods, IR Nodes, Python functions or DSL text. Every
-variant is compiled for every arch, all in parallel through ONE build.ninja, and
-installed into the same cache (same keys) that JIT compilation uses.
+score_mod / mask_mod may be Mods, IR Nodes, Python functions or DSL text. A variant whose
+kinds include "bwd" also gets the backward's pre- and post-processing kernels, so a cache
+built ahead of time serves a training step with FLEXGEN_NO_JIT=1. Every variant is compiled
+for every arch, all in parallel through ONE build.ninja, and installed into the same cache
+(same keys) that JIT compilation uses.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import runpy
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import jit, ninja, nvcc, paths, store
 from .lock import FileLock
 
+# The keys of a variant that are not kernel options.
+_VARIANT_KEYS = ("name", "score_mod", "mask_mod", "kinds", "head_dim", "head_dims", "dtype", "dtypes", "BLOCK_SIZE")
+
+
+class BuildFileError(ValueError):
+    """A variants file that does not run, or does not describe variants."""
+
+
 def _is_decorator(obj) -> bool:
     """`from flexgen import score_mod` at module level is the tracer, not a variant."""
     return getattr(obj, "__module__", "") == "flexgen.dsl.api"
 
 
+def _run_file(path: Path) -> dict:
+    from ..dsl.errors import FlexgenTraceError
+
+    if not path.is_file():
+        raise BuildFileError(f"{path}: no such file")
+    try:
+        return runpy.run_path(str(path), run_name="flexgen_variants")
+    except FlexgenTraceError:
+        raise  # already says where in the user's code
+    except Exception as err:
+        line = getattr(err, "lineno", None) if isinstance(err, SyntaxError) else None
+        for frame in traceback.extract_tb(err.__traceback__):
+            if Path(frame.filename) == path:
+                line = frame.lineno
+        where = f"{path}, line {line}" if line else str(path)
+        raise BuildFileError(f"{where}: {type(err).__name__}: {err}") from err
+
+
 def load_variants(path: str | Path) -> list[dict]:
-    ns = runpy.run_path(str(path), run_name="flexgen_variants")
+    path = Path(path)
+    ns = _run_file(path)
     if "VARIANTS" in ns:
-        variants = [dict(v) for v in ns["VARIANTS"]]
+        listed = ns["VARIANTS"]
+        if not isinstance(listed, (list, tuple)) or not all(isinstance(v, dict) for v in listed) or not listed:
+            raise BuildFileError(f"{path}: VARIANTS must be a non-empty list of dicts, one per variant, "
+                                 f"got {type(listed).__name__}")
+        variants = [dict(v) for v in listed]
     else:
         score = ns.get("score_mod") if not _is_decorator(ns.get("score_mod")) else None
         mask = ns.get("mask_mod") if not _is_decorator(ns.get("mask_mod")) else None
         if score is None and mask is None:
-            raise ValueError(f"{path} defines neither VARIANTS nor a module-level score_mod / mask_mod")
+            raise BuildFileError(f"{path} defines neither VARIANTS nor a module-level score_mod / mask_mod")
         variants = [dict(score_mod=score, mask_mod=mask, head_dims=ns.get("HEAD_DIMS", (128,)),
-                         dtypes=ns.get("DTYPES", ("bf16",)), kinds=ns.get("KINDS", ("fwd",)), name=Path(path).stem)]
+                         dtypes=ns.get("DTYPES", ("bf16",)), kinds=ns.get("KINDS", ("fwd",)), name=path.stem)]
     for i, v in enumerate(variants):
         v.setdefault("name", f"variant{i}")
     return variants
+
+
+def _block_size(value) -> tuple[int, int]:
+    """A variant's BLOCK_SIZE: the block mask's blocks it runs with (create_block_mask's default 128)."""
+    from ..blockmask_validate import block_size
+
+    return block_size(value, "a build file's BLOCK_SIZE")
 
 
 def _tuple(v) -> tuple:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,)
 
 
-def expand(variant: dict, archs: list[str]) -> list:
-    """Every KernelSpec of one variant: kinds x head dims x dtypes x archs."""
+def expand(variant: dict, archs: list[str], templates_take_others: bool = False) -> list:
+    """Every KernelSpec of one variant: kinds x head dims x dtypes x archs, and for a backward
+    its pre- and post-processing kernels (one pair per head dim, dtype and arch)."""
     from ..codegen.api import make_spec
+    from ..codegen.options import spec_options
 
     v = dict(variant)
-    score, mask = v.pop("score_mod", None), v.pop("mask_mod", None)
-    kinds = _tuple(v.pop("kinds", ("fwd",)))
-    head_dims = _tuple(v.pop("head_dims", None) or v.pop("head_dim", 128))
-    v.pop("head_dim", None)
-    dtypes = _tuple(v.pop("dtypes", None) or v.pop("dtype", "bf16"))
-    v.pop("dtype", None)
-    v.pop("name", None)
-    return [make_spec(kind, score, mask, d, dt, arch, **dict(v))
-            for arch in archs for kind in kinds for d in head_dims for dt in dtypes]
+    score, mask = v.get("score_mod"), v.get("mask_mod")
+    kinds = _tuple(v.get("kinds", ("fwd",)))
+    head_dims = _tuple(v.get("head_dims") or v.get("head_dim", 128))
+    dtypes = _tuple(v.get("dtypes") or v.get("dtype", "bf16"))
+    mask_block = _block_size(v["BLOCK_SIZE"]) if "BLOCK_SIZE" in v else (128, 128) if mask is not None else None
+    options = {k: value for k, value in v.items() if k not in _VARIANT_KEYS}
+    specs = []
+    for arch, kind, d, dt in itertools.product(archs, kinds, head_dims, dtypes):
+        chosen = spec_options(options, kind, kinds, templates_take_others)
+        specs.append(make_spec(kind, score, mask, d, dt, arch, mask_block=mask_block if kind in ("fwd", "bwd") else None,
+                               **chosen))
+        if kind == "bwd":  # planned as flex_attention's backward plans them
+            specs += [make_spec(k, None, None, d, dt, arch) for k in ("bwd_preprocess", "bwd_postprocess")]
+    return specs
 
 
 @dataclass
@@ -81,9 +131,12 @@ class BuildResult:
 
 
 def build(variants_file: str | Path, archs: list[str], jobs: int | None = None, compiler: str | None = None,
-          template_dir: str | Path | None = None, log=print) -> BuildResult:
+          template_dir: str | Path | None = None, log=print, progress=None) -> BuildResult:
+    """Compile what the cache lacks. `progress(done, total, what)` is told as kernels finish
+    (terminal_progress() draws a bar)."""
     be = jit.backend(compiler)
-    specs = list(dict.fromkeys(s for v in load_variants(variants_file) for s in expand(v, archs)))
+    variants = load_variants(variants_file)
+    specs = list(dict.fromkeys(s for v in variants for s in expand(v, archs, template_dir is not None)))
     result = BuildResult()
     todo: dict[str, tuple] = {}  # key -> (spec, source, flags); specs with the same source share a key
     for spec in specs:
@@ -98,7 +151,7 @@ def build(variants_file: str | Path, archs: list[str], jobs: int | None = None, 
         f"with {be.NAME} ({be.version()})")
     if todo:
         with tempfile.TemporaryDirectory(prefix="flexgen-build-") as tmp:
-            _run(Path(tmp), todo, jobs, be, result)
+            _run(Path(tmp), todo, jobs, be, result, progress)
     for spec, key, err in result.failed:
         log(f"FAILED: {err}")
     log(f"flexgen build: built {len(result.built)}, cached {len(result.cached)}, failed {len(result.failed)}; "
@@ -106,10 +159,26 @@ def build(variants_file: str | Path, archs: list[str], jobs: int | None = None, 
     return result
 
 
-def _run(stage: Path, todo: dict, jobs, be, result: BuildResult) -> None:
+def terminal_progress(stream=None):
+    """A one-line progress bar on `stream` (stderr) where it is a terminal; None elsewhere, so logs
+    and pipes get only build()'s summary lines."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+
+    def show(done: int, total: int, what: str) -> None:
+        filled = 24 * done // max(total, 1)
+        end = "\n" if done == total else ""
+        stream.write(f"\r\x1b[K[{'#' * filled}{'.' * (24 - filled)}] {done}/{total} {what}"[:160] + end)
+        stream.flush()
+
+    return show
+
+
+def _run(stage: Path, todo: dict, jobs, be, result: BuildResult, progress=None) -> None:
     edges = [_edge(stage, spec, source, flags, key, be) for key, (spec, source, flags) in todo.items()]
     ninja.write(stage / "build.ninja", edges)
-    proc = ninja.run(stage / "build.ninja", jobs=jobs)
+    proc = ninja.run(stage / "build.ninja", jobs=jobs, on_progress=progress)
     for key, (spec, source, flags) in todo.items():
         cubin_file, log_file = stage / f"{key}.cubin", stage / f"{key}.log"
         if not cubin_file.exists():

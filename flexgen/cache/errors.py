@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+# What a base install (no extra) lacks for compiling with NVRTC and launching: cupy and NVRTC.
+CUDA_EXTRA_HINT = ("install the CUDA extra: pip install 'flexgen-attention[cuda13]' (cupy-cuda13x and "
+                   "nvidia-cuda-nvrtc; 'flexgen-attention[cuda12]' for a CUDA 12 driver)")
+
+
 class FlexgenCompileError(RuntimeError):
     """Generated code that the CUDA compiler rejected. The message holds the compiler log
     and the path of the saved source, so the failure can be reproduced by hand."""

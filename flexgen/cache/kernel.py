@@ -10,6 +10,16 @@ import threading
 from pathlib import Path
 
 from . import store
+from .errors import CUDA_EXTRA_HINT
+
+
+def _cupy_cuda():
+    """cupy.cuda (the driver API flexgen launches through), or an error saying what to install."""
+    try:
+        import cupy.cuda
+    except ImportError as e:
+        raise ImportError(f"launching flexgen kernels needs cupy ({e}): {CUDA_EXTRA_HINT}") from None
+    return cupy.cuda
 
 MAX_STATIC_SHARED = 48 * 1024  # above this, dynamic shared memory must be opted into per function
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -61,7 +71,8 @@ class CompiledKernel:
 
     def function(self, device_index: int | None = None):
         """The kernel as a cupy Function on the device; the cubin is loaded once per device."""
-        from cupy.cuda import Device, function, runtime
+        cuda = _cupy_cuda()
+        Device, function, runtime = cuda.Device, cuda.function, cuda.runtime
 
         index = runtime.getDevice() if device_index is None else device_index
         fn = self._functions.get(index)
@@ -79,7 +90,8 @@ class CompiledKernel:
     def launch(self, grid, block, shared_mem: int, stream_ptr: int, params) -> None:
         """Launch on the current device. `params` is the kernel's params struct as a ctypes
         Structure (or bytes), passed by value as the kernel's single argument."""
-        from cupy.cuda import driver, runtime
+        cuda = _cupy_cuda()
+        driver, runtime = cuda.driver, cuda.runtime
 
         index = runtime.getDevice()
         fn = self.function(index)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ def write(path: Path, edges: list[Edge]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run(build_file: Path, jobs: int | None = None, keep_going: bool = True) -> subprocess.CompletedProcess:
+def run(build_file: Path, jobs: int | None = None, keep_going: bool = True,
+        on_progress=None) -> subprocess.CompletedProcess:
+    """Run ninja on build_file. `on_progress(done, total, description)` is called as edges finish."""
     exe = paths.ninja_path()
     if exe is None:
         raise CompilerUnavailableError("ninja is not installed (pip install ninja)")
@@ -53,4 +56,16 @@ def run(build_file: Path, jobs: int | None = None, keep_going: bool = True) -> s
         cmd += ["-j", str(jobs)]
     if keep_going:
         cmd += ["-k", "0"]
-    return subprocess.run(cmd, cwd=build_file.parent, capture_output=True, text=True, env=os.environ.copy())
+    if on_progress is None:
+        return subprocess.run(cmd, cwd=build_file.parent, capture_output=True, text=True, env=os.environ.copy())
+    # ninja prints NINJA_STATUS before each edge's description: "[finished/total] ".
+    env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
+    lines = []
+    with subprocess.Popen(cmd, cwd=build_file.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            status = re.match(r"\[(\d+)/(\d+)\] (.*)", line)
+            if status:
+                on_progress(int(status[1]), int(status[2]), status[3])
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import CompilerFailure, CompilerUnavailableError
+from .errors import CUDA_EXTRA_HINT, CompilerFailure, CompilerUnavailableError
 
 NAME = "nvrtc"
 
@@ -30,8 +30,7 @@ def _nvrtc():
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as e:
         raise CompilerUnavailableError(
-            "NVRTC is not available: install flexgen[cuda13] (cupy-cuda13x and nvidia-cuda-nvrtc), "
-            f"or use FLEXGEN_COMPILER=nvcc ({e})"
+            f"NVRTC is not available ({e}): {CUDA_EXTRA_HINT}, or use FLEXGEN_COMPILER=nvcc"
         ) from None
     return nvrtc
 

@@ -121,7 +121,9 @@ def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor],
     idx = [i.long() for i in idx]
     for dim, i in enumerate(idx):
         size = buf.shape[dim]
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= size):
+        # Under torch.vmap (PyTorch's create_block_mask calling a Mod) values cannot be read
+        # out; the index op below still refuses an out-of-range index there.
+        if i.numel() and not torch._C._functorch.is_functorch_wrapped_tensor(i) and (int(i.min()) < 0 or int(i.max()) >= size):
             raise IndexError(
                 f"buffer {spec.name!r} read out of range in dimension {dim}: index range "
                 f"[{int(i.min())}, {int(i.max())}] but the size is {size}"

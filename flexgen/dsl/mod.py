@@ -8,6 +8,7 @@ wherever FlexAttention expects a plain function.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -56,6 +57,18 @@ def mod_for_token(token: str) -> "Mod":
     return Mod(kind, expr, {}, params, name, source)
 
 
+class _CallSignature:
+    """A Mod's call signature, (b, h, q_idx, kv_idx) or (score, b, h, q_idx, kv_idx): PyTorch tells a
+    mask_mod from a score_mod by its positional arguments (its create_block_mask, create_mask).
+    On the class itself it is None, so inspect.signature(Mod) still describes the constructor."""
+
+    def __get__(self, mod, owner=None):
+        if mod is None:
+            return None
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        return inspect.Signature([inspect.Parameter(name, kind) for name in mod.arg_names])
+
+
 @dataclass(frozen=True, eq=False)
 class Mod:
     kind: str  # "score" or "mask"
@@ -85,6 +98,8 @@ class Mod:
     @property
     def arg_names(self) -> tuple[str, ...]:
         return SCORE_ARGS if self.kind == "score" else MASK_ARGS
+
+    __signature__ = _CallSignature()
 
     @property
     def structural_hash(self) -> str:

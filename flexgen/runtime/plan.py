@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ..codegen.spec import KernelSpec
+from ..codegen.spec import KINDS, KernelSpec
 from ..dsl.ir import Node, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
@@ -49,6 +49,8 @@ def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | Non
 
 def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dropout, grad_buffers, deterministic,
           debug, mask_block, extra) -> KernelSpec:
+    if kind not in KINDS:
+        raise ValueError(f"kernel kind {kind!r} is not one of {KINDS}")
     unknown = sorted({name for name, _ in tiles} - set(TILE_FIELDS))
     if unknown:
         raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")

@@ -1,0 +1,84 @@
+"""Options of one kernel as the command line (`--set`) and build files give them: checked, and
+PyTorch's kernel_options names (BLOCK_M, BLOCK_N, num_warps, num_stages; BLOCK_M1, BLOCK_N1,
+num_warps1 for the backward) mapped onto KernelSpec fields, so an unknown or misspelled name is
+an error instead of a template knob nothing reads.
+"""
+from __future__ import annotations
+
+import difflib
+
+_TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+_FLAGS = ("dropout", "debug", "fast_math", "device_debug", "precise_math", "pingpong", "persistent")
+_FAMILIES = ("sm80", "sm90")
+# PyTorch's names, per pass: the forward's apply to every kernel but the backward's main one.
+_FORWARD_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n"}
+_BACKWARD_NAMES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps", "deterministic": "deterministic"}
+KNOWN = sorted({*_TILE_FIELDS, *_FLAGS, "family", "grad_buffers", *_FORWARD_NAMES, *_BACKWARD_NAMES})
+
+
+class OptionError(ValueError):
+    """An option name or value no kernel takes."""
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.6)
+    if not close:  # a name in another case: the first spelling that matches it
+        lowered = {}
+        for k in KNOWN:
+            lowered.setdefault(k.lower(), k)
+        close = [lowered[c] for c in difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _pass_of(name: str) -> str | None:
+    """"bwd" for the backward's names, "fwd" for the forward's, None for names every kind takes."""
+    return "bwd" if name in _BACKWARD_NAMES else "fwd" if name in _FORWARD_NAMES else None
+
+
+def _value(name: str, value):
+    field = _FORWARD_NAMES.get(name) or _BACKWARD_NAMES.get(name) or name
+    if field in _TILE_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise OptionError(f"option {name} must be a positive int, got {value!r}")
+    elif field in _FLAGS or field == "deterministic":
+        if not isinstance(value, bool):
+            raise OptionError(f"option {name} must be True or False, got {value!r}")
+    elif field == "family" and value not in _FAMILIES:
+        raise OptionError(f"option family must be one of {_FAMILIES}, got {value!r}")
+    elif field == "grad_buffers":
+        value = (value,) if isinstance(value, str) else value
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+            raise OptionError(f"option grad_buffers must name buffers (a string or a list of them), got {value!r}")
+        value = tuple(value)
+    return field, value
+
+
+def spec_options(options: dict, kind: str, kinds: tuple[str, ...] | None = None, templates_take_others: bool = False) -> dict:
+    """`options` as make_spec keywords for a kernel of `kind`.
+
+    `kinds`: every kind the same options are given for (a build file's variant); a name of a pass
+    none of them runs is refused, a name of another listed pass is left to that pass.
+    `templates_take_others`: pass unknown names on as template options (a --template-dir's own knobs).
+    """
+    kinds = tuple(kinds or (kind,))
+    this_pass = "bwd" if kind == "bwd" else "fwd"
+    out: dict = {}
+    given_as: dict = {}  # field -> the name it came under
+    for name, value in options.items():
+        owner = _pass_of(name)
+        if name not in KNOWN:
+            if templates_take_others:
+                out[name] = value
+                continue
+            raise OptionError(f"unknown option {name!r}{_did_you_mean(name)} (known: {', '.join(KNOWN)})")
+        if owner is not None and owner != this_pass:
+            if any(("bwd" if k == "bwd" else "fwd") == owner for k in kinds):
+                continue  # another kind of this variant takes it
+            hint = {"BLOCK_M": "BLOCK_M1", "BLOCK_N": "BLOCK_N1", "BLOCK_M1": "BLOCK_M", "BLOCK_N1": "BLOCK_N"}.get(name)
+            which = "the backward's (kind bwd)" if owner == "bwd" else "the forward's"
+            raise OptionError(f"option {name} sets {which} kernel, not a {kind} kernel" + (f"; use {hint}" if hint else ""))
+        field, value = _value(name, value)
+        if field in given_as:
+            raise OptionError(f"option {field} is given twice, as {given_as[field]} and as {name}")
+        out[field], given_as[field] = value, name
+    return out

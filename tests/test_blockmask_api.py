@@ -1,0 +1,295 @@
+"""BlockMask's public surface against PyTorch's FlexAttention on the CPU: what the constructors
+refuse (before any kernel could read past a tensor), and the methods a port calls (shape, numel,
+indexing, to_string, as_tuple, create_mask, device=None), compared with torch's own answers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import variants as V
+from flexgen.blockmask import BlockMask, block_sparse_mask, create_block_mask, create_mask
+
+fa = pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def per_head_window(b, h, q, kv):
+    return (q >= kv) & (q - kv < 64 * (h + 1) + 32 * b)
+
+
+def listed_first(dense):
+    """(counts, indices) of a (..., nQ, nKV) boolean layout, each row's listed blocks first."""
+    order = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True)
+    return dense.sum(-1).to(torch.int32), order.to(torch.int32)
+
+
+def random_lists(g, B, H, n_q, n_kv):
+    """A random layout as (counts, indices), and its dense form."""
+    dense = torch.rand(B, H, n_q, n_kv, generator=g) < 0.5
+    return (*listed_first(dense), dense)
+
+
+# ---------------------------------------------------------------- from_kv_blocks refuses bad input
+
+
+def _valid_lists():
+    g = torch.Generator().manual_seed(1)
+    counts, indices, _ = random_lists(g, 2, 3, 4, 5)
+    return counts, indices
+
+
+@pytest.mark.parametrize("block_size", [0, -128, 7, 100, (128, 8), (64, 0), True, 128.0, (128,), "128"])
+def test_from_kv_blocks_refuses_block_size(block_size):
+    counts, indices = _valid_lists()
+    with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive multiple of 16"):
+        BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=block_size)
+
+
+def _bad_lists(case):
+    counts, indices = _valid_lists()
+    if case == "negative count":
+        counts[1, 2, 3] = -1
+    elif case == "count past the row":
+        counts[0, 0, 0] = indices.shape[-1] + 1
+    elif case == "negative index":
+        counts[0, 1, 2] = 2
+        indices[0, 1, 2, 1] = -1
+    elif case == "index past the end":
+        counts[1, 0, 1] = 1
+        indices[1, 0, 1, 0] = indices.shape[-1]
+    elif case == "repeated index":
+        counts[0, 0, 0] = 2
+        indices[0, 0, 0, :2] = 3
+    return counts, indices
+
+
+@pytest.mark.parametrize("case,message", [
+    ("negative count", r"kv_num_blocks must lie in \[0, 5\]"),
+    ("count past the row", r"kv_num_blocks must lie in \[0, 5\]"),
+    ("negative index", r"lists KV block -1; block numbers must lie in \[0, 5\)"),
+    ("index past the end", r"lists KV block 5; block numbers must lie in \[0, 5\)"),
+    ("repeated index", r"more than once in row \(0, 0, 0\)"),
+])
+def test_from_kv_blocks_refuses_bad_lists(case, message):
+    counts, indices = _bad_lists(case)
+    with pytest.raises(ValueError, match=message):
+        BlockMask.from_kv_blocks(counts, indices)
+
+
+def test_from_kv_blocks_checks_indices_against_the_sequence():
+    counts, indices = _valid_lists()
+    # 5 columns of 128, but KV_LEN = 300 has only 3 blocks: a listed block 3 or 4 lies past the keys
+    with pytest.raises(ValueError, match=r"block numbers must lie in \[0, 3\)"):
+        BlockMask.from_kv_blocks(counts, indices, seq_lengths=(512, 300))
+    dense = BlockMask.from_kv_blocks(counts, indices).to_dense().bool()
+    dense[..., 3:] = False
+    bm = BlockMask.from_kv_blocks(*listed_first(dense), seq_lengths=(512, 300))
+    assert bm.shape == (2, 3, 512, 300) and torch.equal(bm.to_dense().bool(), dense)
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda c, i: (c.tolist(), i), TypeError, "kv_num_blocks must be a torch.Tensor of integers, got list"),
+    (lambda c, i: (c, i.tolist()), TypeError, "kv_indices must be a torch.Tensor of integers, got list"),
+    (lambda c, i: (c.float(), i), TypeError, "must hold integers"),
+    (lambda c, i: (c, i.bool()), TypeError, "must hold integers"),
+    (lambda c, i: (c[:, :, :2], i), ValueError, "without its last dimension"),
+    (lambda c, i: (c[0, 0, 0], i[0, 0, 0]), ValueError, r"must have shape \(B, H, nQ, nKV\)"),
+    (lambda c, i: (c[None], i[None]), ValueError, r"must have shape \(B, H, nQ, nKV\)"),
+])
+def test_from_kv_blocks_refuses_bad_tensors(make, error, message):
+    counts, indices = make(*_valid_lists())
+    with pytest.raises(error, match=message):
+        BlockMask.from_kv_blocks(counts, indices)
+
+
+def test_from_kv_blocks_refuses_inconsistent_full_lists():
+    g = torch.Generator().manual_seed(2)
+    counts, indices, dense = random_lists(g, 1, 2, 4, 4)
+    with pytest.raises(ValueError, match="given together"):
+        BlockMask.from_kv_blocks(counts, indices, full_kv_num_blocks=counts)
+    with pytest.raises(ValueError, match="listed in both kv_indices and full_kv_indices"):
+        BlockMask.from_kv_blocks(counts, indices, counts, indices)
+    wide_counts, wide, _ = random_lists(g, 1, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"must match kv_indices"):
+        BlockMask.from_kv_blocks(counts, indices, wide_counts.clamp(max=4), wide.clamp(max=3))
+    with pytest.raises(ValueError, match="seq_lengths must be a"):
+        BlockMask.from_kv_blocks(counts, indices, seq_lengths=(0, 512))
+    with pytest.raises(ValueError, match="kv_indices has 4 columns but KV_LEN 600 in blocks of 128 has 5 KV blocks"):
+        BlockMask.from_kv_blocks(counts, indices, seq_lengths=(512, 600))
+
+
+def test_from_kv_blocks_accepts_what_torch_builds():
+    """Valid lists of every layout torch accepts: lower dimensions broadcast, int64 converts."""
+    g = torch.Generator().manual_seed(3)
+    counts, indices, dense = random_lists(g, 2, 3, 5, 6)
+    *_, full = random_lists(g, 2, 3, 5, 6)
+    full_dense = full & ~dense
+    fc, fi = (t.long() for t in listed_first(full_dense))
+    bm = BlockMask.from_kv_blocks(counts, indices.long(), fc, fi, BLOCK_SIZE=(64, 32))
+    theirs = fa.BlockMask.from_kv_blocks(counts, indices, fc.int(), fi.int(), BLOCK_SIZE=(64, 32))
+    assert torch.equal(bm.to_dense().bool(), theirs.to_dense().bool())
+    assert torch.equal(bm.to_dense().bool(), dense | full_dense)
+    assert bm.kv_indices.dtype == torch.int32 and bm.shape == theirs.shape == (2, 3, 320, 192)
+    flat = BlockMask.from_kv_blocks(counts[0, 0], indices[0, 0])
+    assert flat.shape == (1, 1, 5 * 128, 6 * 128) and torch.equal(flat.to_dense()[0, 0].bool(), dense[0, 0])
+
+
+# ---------------------------------------------------------------- block_sparse_mask refuses bad input
+
+
+def test_block_sparse_mask_refuses_bad_input():
+    layout = torch.rand(1, 2, 3, 4, generator=torch.Generator().manual_seed(4)) < 0.5
+    with pytest.raises(TypeError, match="got list"):
+        block_sparse_mask(layout.tolist())
+    for bs in (0, -16, 7, (128, 24)):
+        with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive multiple of 16"):
+            block_sparse_mask(layout, BLOCK_SIZE=bs)
+    with pytest.raises(ValueError, match=r"need a layout of \(2, 4\) blocks, got \(3, 4\)"):
+        block_sparse_mask(layout, BLOCK_SIZE=128, seq_lengths=(256, 512))
+    with pytest.raises(ValueError, match="seq_lengths must be a"):
+        block_sparse_mask(layout, seq_lengths=(-1, 512))
+    with pytest.raises(ValueError, match="none of them 0"):
+        block_sparse_mask(torch.zeros(1, 1, 0, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("B,H", [(None, None), (2, None), (-1, None), (None, 0), (1.5, None)])
+def test_create_block_mask_checks_b_h(B, H):
+    if all(v is None or (isinstance(v, int) and v > 0) for v in (B, H)):
+        assert create_block_mask(causal, B, H, 256, 256, device="cpu").shape == (B or 1, H or 1, 256, 256)
+    else:
+        with pytest.raises(ValueError, match="must be a positive int or None"):
+            create_block_mask(causal, B, H, 256, 256, device="cpu")
+
+
+# ---------------------------------------------------------------- PyTorch parity
+
+
+CASES = [  # mask, B, H, Q_LEN, KV_LEN, BLOCK_SIZE
+    (causal, None, None, 1000, 1000, 128),
+    (causal, 2, None, 700, 900, (128, 64)),
+    (per_head_window, 2, 3, 640, 512, 64),
+    (per_head_window, None, 4, 384, 384, 128),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_views_match_torch(case):
+    fn, B, H, q_len, kv_len, bs = CASES[case]
+    ours = create_block_mask(fn, B, H, q_len, kv_len, device="cpu", BLOCK_SIZE=bs)
+    theirs = fa.create_block_mask(fn, B, H, q_len, kv_len, device="cpu", BLOCK_SIZE=bs)
+    assert ours.shape == theirs.shape and ours.numel() == theirs.numel()
+    assert torch.equal(ours.to_dense().bool(), theirs.to_dense().bool())
+    for grid, limit in [((20, 20), 4), (3, 2), (-1, 10)]:
+        assert ours.to_string(grid, limit) == theirs.to_string(grid, limit)
+    assert str(ours).replace(f"{ours.sparsity():.2f}", "S") == str(theirs).replace(f"{theirs.sparsity():.2f}", "S")
+    mine, torchs = ours.as_tuple(), theirs.as_tuple()
+    assert len(mine) == len(torchs)
+    for a, b in zip(mine, torchs):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.shape[:-1] == b.shape[:-1]  # index rows: same (B, H, rows)
+        elif not callable(b):
+            assert a == b  # lengths, block sizes, the unused deterministic-dQ fields
+    assert ours.as_tuple(flatten=False)[0] == (q_len, kv_len)
+    assert ours.as_tuple(flatten=False)[-2] == theirs.as_tuple(flatten=False)[-2]
+
+
+@pytest.fixture(scope="module")
+def per_head_masks():
+    """flexgen's and torch's mask of CASES[2]: B=2, H=3, 10 x 8 blocks."""
+    fn, B, H, q_len, kv_len, bs = CASES[2]
+    return (create_block_mask(fn, B, H, q_len, kv_len, device="cpu", BLOCK_SIZE=bs),
+            fa.create_block_mask(fn, B, H, q_len, kv_len, device="cpu", BLOCK_SIZE=bs))
+
+
+@pytest.mark.parametrize("index", [0, -1, 1, (0, 1), (slice(None), 2), (slice(0, 2), slice(1, 3)), (-2, -1, 3),
+                                   (1, slice(None), torch.tensor([0, 2])), (slice(None), slice(None), slice(1, None))])
+def test_getitem_matches_torch(index, per_head_masks):
+    ours, theirs = (m[index] for m in per_head_masks)
+    assert ours.shape == theirs.shape
+    assert ours.kv_num_blocks.shape == theirs.kv_num_blocks.shape
+    assert torch.equal(ours.to_dense().bool(), theirs.to_dense().bool())
+    transposed = BlockMask.from_kv_blocks(ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks,
+                                          ours.full_kv_indices, ours.BLOCK_SIZE, seq_lengths=ours.seq_lengths)
+    assert torch.equal(ours.q_num_blocks, transposed.q_num_blocks)  # the backward's lists follow the slice
+    with pytest.raises(RuntimeError, match="was sliced"):
+        ours.mask_mod(*(torch.zeros((), dtype=torch.int32),) * 4)
+
+
+def test_getitem_refuses_out_of_range():
+    bm = create_block_mask(causal, 2, 3, 256, 256, device="cpu")
+    with pytest.raises(IndexError, match="out of range for head of size 3"):
+        bm[0, 3]
+    with pytest.raises(IndexError, match="at most 3 indices"):
+        bm[0, 0, 0, 0]
+    sparse = block_sparse_mask(torch.ones(2, 1, 2, 2, dtype=torch.bool))
+    assert sparse[1].mask_mod is None and sparse[1].shape == (1, 1, 256, 256)  # nothing to lose
+
+
+def score_alibi_window(score, b, h, q, kv):
+    return torch.where(q - kv > 100 * (h + 1), -float("inf"), score + (kv - q) * 0.5)
+
+
+def _doc_ids(n, seed=5):
+    return torch.sort(torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(seed))).values.to(torch.int32)
+
+
+def test_create_mask_matches_torch():
+    ids = _doc_ids(300)
+
+    def documents(b, h, q, kv):
+        return (ids[q] == ids[kv]) & (q >= kv)
+
+    for fn, B, H in [(causal, None, None), (per_head_window, 2, 3), (score_alibi_window, 1, 2), (documents, 2, 1)]:
+        ours = create_mask(fn, B, H, 300, 257, device="cpu")
+        theirs = fa.create_mask(fn, B, H, 300, 257, device="cpu")
+        assert ours.dtype == torch.bool and ours.shape == theirs.shape and torch.equal(ours, theirs)
+    assert create_mask(flexgen.noop_mask, 2, 2, 5, 7, device="cpu").all()
+    with pytest.raises(TypeError, match="takes 3"):
+        create_mask(lambda b, q, kv: q >= kv, None, None, 4, 4, device="cpu")
+
+
+def test_flexgen_mods_work_in_torch_create_block_mask():
+    """A Mod is a mask_mod to PyTorch: right arity, vmapped over index tensors like a function."""
+    ids = _doc_ids(700, seed=6)
+    mods = [
+        V.causal, V.sliding_window(200), V.prefix_lm(130), V.document(ids), flexgen.noop_mask,
+        flexgen.and_masks(V.sliding_window(300), V.document(ids)),
+        flexgen.mask_mod("q_idx >= kv_idx and q_idx - kv_idx < w", w=150),
+        flexgen.mask_mod(per_head_window),
+    ]
+    for mod in mods:
+        theirs = fa.create_block_mask(mod, 2, 3, 700, 700, device="cpu", BLOCK_SIZE=64)
+        ours = create_block_mask(mod, 2, 3, 700, 700, device="cpu", BLOCK_SIZE=64)
+        assert torch.equal(theirs.to_dense().bool(), ours.to_dense().expand(2, 3, -1, -1).bool()), mod
+        assert torch.equal(fa.create_mask(mod, 2, 3, 700, 700, device="cpu"), create_mask(mod, 2, 3, 700, 700, device="cpu"))
+    # a score_mod Mod is a score_mod to PyTorch (5 arguments): masked where it gives -inf
+    softcap_window = flexgen.score_mod(score_alibi_window)
+    assert torch.equal(fa.create_mask(softcap_window, 1, 2, 300, 300, device="cpu"),
+                       fa.create_mask(score_alibi_window, 1, 2, 300, 300, device="cpu"))
+
+
+def test_device_none_picks_like_torch(monkeypatch):
+    expected = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    bm = create_block_mask(causal, None, None, 8192, 8192)  # the README's port example, no device
+    assert bm.device.type == expected.type and create_mask(causal, 1, 1, 4, 4).device.type == expected.type
+    # a CUDA build of torch on a machine without a GPU names CUDA but cannot use it: the CPU then
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: None if check_available else torch.device("cuda"))
+    assert create_block_mask(causal, None, None, 512, 512).device.type == "cpu"
+
+
+@pytest.mark.gpu
+def test_sliced_mask_needs_a_mask_mod_before_attending():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    bm = create_block_mask(per_head_window, 2, 2, 256, 256)
+    with pytest.raises(Exception, match="was sliced"):
+        flexgen.flex_attention(q, q, q, block_mask=bm[1])
+    sliced = bm[1]
+    sliced.mask_mod = lambda b, h, q_idx, kv_idx: per_head_window(b + 1, h, q_idx, kv_idx)  # the slice's own positions
+    out = flexgen.flex_attention(q, q, q, block_mask=sliced)
+    want = flexgen.reference_attention(*(q.double(),) * 3, mask_mod=lambda b, h, qi, ki: per_head_window(b + 1, h, qi, ki))
+    assert ((out.double() - want).norm() / want.norm()).item() < 2e-2
