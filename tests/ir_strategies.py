@@ -570,6 +570,12 @@ def _traced(node, float_: bool = False):
     return ("float", ("in", "q_idx")) if float_ else ("in", "kv_idx")
 
 
+def _traced_bool(node):
+    """`node`, or a traced comparison in place of a condition that reads no input (a constant
+    condition is plain Python to the tracer, so `if` on it is no error)."""
+    return node if _reads_inputs(node) else ("cmp", "<", ("in", "q_idx"), ("in", "kv_idx"))
+
+
 @st.composite
 def _program_ints(draw, depth: int):
     if depth <= 0 or draw(st.integers(0, 3)) == 0:
@@ -649,7 +655,8 @@ def mask_programs(draw, depth: int = 3):
     if choice == 1 and draw(st.integers(0, 4)) == 0:
         return ("return_int", _traced(draw(program_ints(depth)))), False
     name = draw(st.sampled_from(sorted(_INVALID)))
-    fragment = ("invalid", name, _traced(draw(program_ints(1))), draw(program_bools(1)), draw(st.sampled_from(BIG_CONSTANTS)))
+    fragment = ("invalid", name, _traced(draw(program_ints(1))), _traced_bool(draw(program_bools(1))),
+                draw(st.sampled_from(BIG_CONSTANTS)))
     return (draw(st.sampled_from(["and", "or", "xor"])), program, ("cmp", "<", fragment, ("k", 3))), False
 
 
