@@ -112,14 +112,35 @@ def flex_attention(
     (score_token, score_buffers), (mask_token, mask_buffers) = score_parts, mask_parts
     variant = variant_key(score_token, mask_token, tuple(bm.BLOCK_SIZE) if bm is not None else None,
                           tuple(bm.seq_lengths) if bm is not None else None, kernel_options)
+    buffers = [*score_buffers, *mask_buffers]
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        _compile_backward_early(variant, query, key, value, buffers, bm, dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if scale < 0:
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
-    out, lse = attention_fwd(query, key, value, *mask_tensors(bm), [*score_buffers, *mask_buffers], float(scale),
+    out, lse = attention_fwd(query, key, value, *mask_tensors(bm), buffers, float(scale),
                              variant, float(dropout_p), _dropout_rng(dropout_p))
     return (out, lse) if return_lse else out
+
+
+def _compile_backward_early(variant_key: str, query, key, value, buffers, bm, dropout_p: float) -> None:
+    """A call that will need a backward: its backward kernels start compiling now, beside the
+    forward (runtime/prefetch.py); a no-op once they have been started."""
+    wants = [i for i, t in enumerate(buffers) if t.requires_grad]
+    if not (wants or query.requires_grad or key.requires_grad or value.requires_grad):
+        return
+    from .runtime import prefetch
+    from .variant import variant
+
+    call_key = (variant_key, query.dtype, query.shape[-1], query.device, tuple(wants), dropout_p > 0)
+    if call_key in prefetch.seen:
+        return
+    var = variant(variant_key)
+    names = (var.score.buffer_names if var.score is not None else ()) + (var.mask.buffer_names if var.mask is not None else ())
+    prefetch.backward_kernels(call_key, query, var.score, var.mask, var.kernel_options, dropout_p > 0,
+                              tuple(names[i] for i in wants), tuple(bm.BLOCK_SIZE) if bm is not None else None)
 
 
 _flex_attention_eager = torch.compiler.disable(

@@ -25,6 +25,7 @@ BACKENDS = {"nvrtc": nvrtc, "nvcc": nvcc}
 
 _memory: dict[tuple, CompiledKernel] = {}
 _memory_lock = threading.Lock()
+_building: dict[tuple, threading.Lock] = {}  # kernels being loaded or compiled, and the lock each is built under
 
 
 def backend(name: str | None = None):
@@ -37,9 +38,16 @@ def get_kernel(spec, template_dir: str | Path | None = None, compiler: str | Non
     hit = _memory.get(k)
     if hit is not None:
         return hit
-    kernel = _load_or_build(spec, template_dir, backend(compiler))
-    with _memory_lock:
-        return _memory.setdefault(k, kernel)
+    with _memory_lock:  # one build per kernel in this process: a second thread waits for the first
+        building = _building.setdefault(k, threading.Lock())
+    with building:
+        hit = _memory.get(k)
+        if hit is not None:
+            return hit
+        kernel = _load_or_build(spec, template_dir, backend(compiler))
+        with _memory_lock:
+            _building.pop(k, None)
+            return _memory.setdefault(k, kernel)
 
 
 def clear_memory() -> None:

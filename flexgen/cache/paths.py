@@ -9,6 +9,9 @@ Environment variables:
   FLEXGEN_NVCC           path of nvcc (default: the one on PATH, then /usr/local/cuda/bin)
   FLEXGEN_LOCK_TIMEOUT   seconds to wait for another process's compile of the same kernel
                          (default 300; "inf" waits forever)
+  FLEXGEN_BACKGROUND_COMPILE=0
+                         compile the backward's kernels at the first backward, not during the
+                         forward before it
   FLEXGEN_CACHE_TRUST_SHARED=1
                          load kernels from a cache that another user owns (a prebuilt, read-only
                          cache); see flexgen.cache.safefs for what is checked
@@ -64,6 +67,11 @@ def _flag(name: str) -> bool:
 
 def no_jit() -> bool:
     return _flag("FLEXGEN_NO_JIT")
+
+
+def background_compile() -> bool:
+    """FLEXGEN_BACKGROUND_COMPILE (default on): compile a call's backward kernels during its forward."""
+    return _env("FLEXGEN_BACKGROUND_COMPILE") in ("", "1", "true", "True")
 
 
 def trust_shared() -> bool:
