@@ -16,6 +16,7 @@ learnable buffer. So:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 import weakref
@@ -28,7 +29,8 @@ from torch._dynamo.comptime import comptime
 
 from .dsl.mod import Mod, mod_for_token
 
-_PATH_DEPTH = 4
+# Steps from a function to a tensor it captures: transformers' masks nest four closures and a tuple deep.
+_PATH_DEPTH = 8
 _BOUND_PER_VARIANT = 8
 
 
@@ -99,7 +101,7 @@ def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
         if path is None:
             raise RuntimeError(
                 f"flex_attention under torch.compile: cannot find where {kind}_mod {mod.name!r} keeps its tensor "
-                f"'{name}' (closure, globals, attributes); pass the variant as a flexgen Mod, e.g. "
+                f"'{name}' (closures, nested closures, defaults, partials, tuples, globals, attributes); pass the variant as a flexgen Mod, e.g. "
                 f"flexgen.{kind}_mod(fn), built outside the compiled function"
             )
         paths.append(path)
@@ -107,15 +109,25 @@ def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
 
 
 def _children(obj) -> list[tuple[tuple, Any]]:
-    """(step, value) pairs _follow can take from obj."""
-    out: list[tuple[tuple, Any]] = []
+    """(step, value) pairs _follow can take from obj: a closure's cells, the module globals its code
+    names and its default arguments; a bound method's function and owner; a functools.partial's
+    function and arguments; the items of a tuple, list or dict (a closure over several functions,
+    such as and_masks'); a Module's parameters, buffers and attributes."""
     if isinstance(obj, Mod):
         return [(("mod", i), t) for i, t in enumerate(obj.buffer_tensors)]
     if isinstance(obj, torch.nn.Module):
         names = list(obj._parameters) + list(obj._buffers) + list(vars(obj))
         return [(("attr", n), getattr(obj, n, None)) for n in names if not n.startswith("_")]
+    if isinstance(obj, (tuple, list)):
+        return [(("item", i), x) for i, x in enumerate(obj)]
+    if isinstance(obj, dict):
+        return [(("item", k), x) for k, x in obj.items() if isinstance(k, (str, int))]
+    if isinstance(obj, functools.partial):
+        return ([(("attr", "func"), obj.func)] + [(("partial_arg", i), x) for i, x in enumerate(obj.args)]
+                + [(("partial_kw", k), x) for k, x in obj.keywords.items()])
     if hasattr(obj, "__self__") and hasattr(obj, "__func__"):
         return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
+    out: list[tuple[tuple, Any]] = []
     code = getattr(obj, "__code__", None)
     if code is not None:
         for i, cell in enumerate(obj.__closure__ or ()):
@@ -128,22 +140,34 @@ def _children(obj) -> list[tuple[tuple, Any]]:
         g = obj.__globals__
         if getattr(sys.modules.get(getattr(obj, "__module__", None) or ""), "__dict__", None) is g:
             out.extend((("global", n), g[n]) for n in _code_names(code) if n in g)
+        out.extend((("default", i), x) for i, x in enumerate(obj.__defaults__ or ()))
+        out.extend((("kwdefault", k), x) for k, x in (obj.__kwdefaults__ or {}).items())
     return out
 
 
+def _may_hold_tensors(obj) -> bool:
+    """Whether _find looks inside obj (functions, Mods, Modules and containers of them)."""
+    return callable(obj) or isinstance(obj, (Mod, torch.nn.Module, tuple, list, dict))
+
+
 def _find(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:
+    """The steps from obj to target, breadth first (the shortest path), at most _PATH_DEPTH deep."""
     if obj is target:
         return ()
-    if depth >= _PATH_DEPTH or id(obj) in seen or isinstance(obj, (torch.Tensor, type)):
-        return None
+    level = [(obj, ())]
     seen.add(id(obj))
-    for step, child in _children(obj):
-        if child is target:
-            return (step,)
-        if callable(child) or isinstance(child, (Mod, torch.nn.Module)):
-            rest = _find(child, target, depth + 1, seen)
-            if rest is not None:
-                return (step,) + rest
+    for _ in range(depth, _PATH_DEPTH):
+        deeper = []
+        for parent, path in level:
+            if isinstance(parent, (torch.Tensor, type)):
+                continue
+            for step, child in _children(parent):
+                if child is target:
+                    return path + (step,)
+                if id(child) not in seen and _may_hold_tensors(child):
+                    seen.add(id(child))
+                    deeper.append((child, path + (step,)))
+        level = deeper
     return None
 
 
@@ -156,6 +180,16 @@ def _follow(obj, path: tuple):
             obj = getattr(sys.modules[obj.__module__], arg)
         elif kind == "mod":
             obj = obj.buffer_tensors[arg]
+        elif kind == "item":
+            obj = obj[arg]
+        elif kind == "partial_arg":
+            obj = obj.args[arg]
+        elif kind == "partial_kw":
+            obj = obj.keywords[arg]
+        elif kind == "default":
+            obj = obj.__defaults__[arg]
+        elif kind == "kwdefault":
+            obj = obj.__kwdefaults__[arg]
         else:
             obj = getattr(obj, arg)
     return obj

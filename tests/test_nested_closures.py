@@ -1,0 +1,163 @@
+"""Tensors a mask_mod / score_mod reaches through nested closures (a closure over a closure over a
+tensor, transformers' and_masks over a tuple of closures, functools.partial, default arguments):
+found in eager, and passed to the flexgen ops as graph inputs under torch.compile (on meta
+tensors, as tests/test_compile.py; the buffers hold real CPU data)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flexgen
+from flexgen.variant import _find, _follow, mod_parts
+from test_compile import META, Recorder, compiled, qkv, targets, B, L
+
+
+def and_masks(*fns):
+    """transformers.masking_utils.and_masks, as written there: a closure over a tuple of closures."""
+    def and_mask(b, h, q_idx, kv_idx):
+        result = q_idx.new_ones((), dtype=torch.bool)
+        for fn in fns:
+            result = result & fn(b, h, q_idx, kv_idx).to(result.device)
+        return result
+    return and_mask
+
+
+def padding(pad):
+    def inner_mask(b, h, q_idx, kv_idx):
+        return pad[b, kv_idx]
+    return inner_mask
+
+
+def offsets(fn, q_off, kv_off):
+    def inner_mask(b, h, q_idx, kv_idx):
+        return fn(b, h, q_idx + q_off, kv_idx + kv_off)
+    return inner_mask
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _pad_tensor():
+    pad = torch.ones(B, L, dtype=torch.bool)
+    pad[1, : int(torch.randint(1, L // 2, ()))] = False
+    return pad
+
+
+def _with_default(b, h, q_idx, kv_idx, table=None):
+    return table[b, kv_idx]
+
+
+def _partial_target(pad, b, h, q_idx, kv_idx):
+    return pad[b, kv_idx]
+
+
+def shapes(pad):
+    """Each way of capturing the same padding tensor, nested."""
+    return {
+        "closure_of_closure": offsets(padding(pad), 0, 0),
+        "and_masks_tuple": offsets(and_masks(causal, padding(pad)), 0, 0),
+        "partial": and_masks(causal, functools.partial(_partial_target, pad)),
+        "default": and_masks(functools.partial(_with_default, table=pad)),
+        "defaults_tuple": and_masks(_bind_default(pad)),
+    }
+
+
+def _bind_default(pad):
+    def inner(b, h, q_idx, kv_idx, t=pad):
+        return t[b, kv_idx]
+    return inner
+
+
+@pytest.mark.parametrize("how", list(shapes(torch.ones(1, 1))))
+def test_find_follows_nested_captures_to_the_tensor(how):
+    pad = _pad_tensor()
+    fn = shapes(pad)[how]
+    path = _find(fn, pad, 0, set())
+    assert path is not None and _follow(fn, path) is pad
+    assert _find(fn, torch.ones(1), 0, set()) is None  # a tensor it does not hold is not found
+
+
+@pytest.mark.parametrize("how", list(shapes(torch.ones(1, 1))))
+def test_eager_mod_parts_and_mask_values(how):
+    pad = _pad_tensor()
+    fn = shapes(pad)[how]
+    token, buffers = mod_parts(fn, "mask")
+    assert token and len(buffers) == 1 and buffers[0] is pad
+    want = torch.stack([pad[b][None, :].expand(L, L) for b in range(B)])[:, None]
+    if how in ("and_masks_tuple", "partial"):
+        want = want & torch.ones(L, L, dtype=torch.bool).tril()
+    torch.testing.assert_close(flexgen.create_mask(fn, B, None, L, L, device="cpu"), want)
+
+
+def _meta_mask(fn):
+    base = flexgen.create_block_mask(causal, B, None, L, L, device="cpu").to(META)
+    return dataclasses.replace(base, mask_mod=fn)
+
+
+@pytest.mark.parametrize("how", list(shapes(torch.ones(1, 1))))
+def test_compiled_nested_closure_made_outside_passes_its_tensor_as_a_graph_input(how):
+    pad = _pad_tensor()
+    mask = _meta_mask(shapes(pad)[how])
+
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return flexgen.flex_attention(q, k, v, block_mask=mask)
+
+    fn, rec = compiled(M(), Recorder())
+    q, k, v = qkv()
+    fn(q, k, v).sum().backward()
+    assert q.grad is not None
+    (node,) = [n for n in rec.graphs[0].graph.nodes if str(n.target) == "flexgen.attention_fwd.default"]
+    (buffer,) = node.args[11]
+    assert buffer.op == "placeholder"
+    # the graph input is the padding tensor itself, not a copy made at trace time
+    assert rec.graphs[0].graph.find_nodes(op="placeholder", target=buffer.target)[0].meta["example_value"].shape == pad.shape
+
+
+def test_compiled_passes_each_steps_tensor(monkeypatch):
+    """A new padding tensor each step (transformers builds its closures per forward): the op gets
+    that step's tensor, whatever the trace saw first (CPU inputs, the kernel replaced by a spy)."""
+    from flexgen import attention
+    from flexgen.runtime import forward
+
+    got = []
+
+    def spy(q, k, v, score, bm, mask, *args, **kwargs):
+        got.append(mask.buffer_tensors[0])
+        return torch.zeros_like(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
+
+    monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(forward, "forward_call", spy)
+    fn, _ = compiled(lambda q, k, v, mask: flexgen.flex_attention(q, k, v, block_mask=mask), Recorder())
+    q = torch.randn(B, 4, L, 64)
+    base = flexgen.create_block_mask(causal, B, None, L, L, device="cpu")
+    pads = [_pad_tensor() for _ in range(3)]
+    for pad in pads:
+        fn(q, q, q, dataclasses.replace(base, mask_mod=offsets(and_masks(causal, padding(pad)), 0, 0)))
+    assert len(got) == 3 and all(g is p for g, p in zip(got, pads))
+    # (dynamo guards on the identity of what the outer closure captures, so new closures retrace;
+    # transformers' adapter avoids that by handing flex_attention a Mod)
+
+
+def test_nested_closure_made_inside_the_compiled_function_breaks_the_graph_with_the_reason():
+    pad = _pad_tensor()
+
+    class Inside(nn.Module):
+        def forward(self, q, k, v, pad):
+            mask = dataclasses.replace(base, mask_mod=offsets(and_masks(causal, padding(pad)), 0, 0))
+            return flexgen.flex_attention(q, k, v, block_mask=mask)
+
+    base = flexgen.create_block_mask(causal, B, None, L, L, device="cpu").to(META)
+    fn, _ = compiled(Inside(), Recorder(), fullgraph=True)
+    with pytest.raises(Exception, match="define it outside"):
+        fn(*qkv(), pad)
+    fn, _ = compiled(Inside(), Recorder(), fullgraph=False)
+    q, k, v = qkv()
+    out = fn(q, k, v, pad)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad is not None
