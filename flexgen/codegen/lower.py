@@ -11,6 +11,11 @@
 
 Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
 Python (small helper functions), floats are float32, int32/int64 are int/long long.
+Integer `+ - *`, negation and abs wrap around like torch's int32/int64 tensors: where the
+operands' value ranges (indices are in [0, 2**31 - 1]) show that no overflow can happen the
+plain C operator is written, elsewhere `fg_add(a, b)` etc., which compute in unsigned
+arithmetic (signed overflow is undefined in C++, so a compiler may fold `q + c > q` to true).
+A float cast to an integer is `fg_float_to_int(x)`: truncation toward zero, saturating, NaN -> 0.
 Float multiplies are written `__fmul_rn(a, b)` so the compiler cannot fuse them
 with an add into an FMA: the result then rounds exactly like torch's float32.
 No CUDA header is needed: 16-bit buffers are read as raw `unsigned short` bits.
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..dsl.ir import BufferSpec, DType, Node, buffers_of, inputs_of, params_of
+from ..dsl.ir import INT_RANGE, BufferSpec, DType, Node, buffers_of, inputs_of, params_of
 from ..dsl.printer import pretty
 
 CTYPE = {DType.BOOL: "bool", DType.INT32: "int", DType.INT64: "long long", DType.FLOAT32: "float"}
@@ -225,6 +230,57 @@ def _call(fn: str, args: list[str]) -> str:
     return f"{fn}({', '.join(_unparen(x) for x in args)})"
 
 
+_INDEX_RANGE = (0, 2**31 - 1)  # b, h, q_idx, kv_idx: int32 indices, never negative
+_WRAPPING = {"add": "fg_add", "sub": "fg_sub", "mul": "fg_mul"}
+
+
+def _fits(lo: int, hi: int, dtype: DType) -> bool:
+    t_lo, t_hi = INT_RANGE[dtype]
+    return t_lo <= lo and hi <= t_hi
+
+
+def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """Exact bounds of an integer node's values if its C operator cannot overflow, else None
+    (the node is then computed with a wrapping helper, and its value may be anything)."""
+    op = n.op
+    if op == "const":
+        return (int(n.attr), int(n.attr))
+    if op == "input":
+        return _INDEX_RANGE
+    if op == "cast":
+        src = n.args[0].dtype
+        if src is DType.BOOL:
+            return (0, 1)
+        return args[0] if src.is_int and args[0] is not None and _fits(*args[0], n.dtype) else None
+    if op in ("add", "sub", "mul", "neg", "abs", "min", "max", "where"):
+        if any(a is None for a in args[-2:]):
+            return None
+        if op == "neg":
+            lo, hi = -args[0][1], -args[0][0]
+        elif op == "abs":
+            lo, hi = args[0]
+            lo, hi = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+        elif op in ("min", "max", "where"):
+            (alo, ahi), (blo, bhi) = args[-2:]
+            pick = min if op == "min" else max if op == "max" else None
+            lo, hi = (pick(alo, blo), pick(ahi, bhi)) if pick else (min(alo, blo), max(ahi, bhi))
+        else:
+            (alo, ahi), (blo, bhi) = args
+            if op == "add":
+                lo, hi = alo + blo, ahi + bhi
+            elif op == "sub":
+                lo, hi = alo - bhi, ahi - blo
+            else:
+                corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
+                lo, hi = min(corners), max(corners)
+        return (lo, hi) if _fits(lo, hi, n.dtype) else None
+    if op == "mod" and n.args[1].op == "const" and n.args[1].attr > 0:
+        return (0, n.args[1].attr - 1)
+    if op == "sign":
+        return (-1, 1)
+    return None
+
+
 class _Body:
     """Statements for one device function computing several roots that share temporaries.
 
@@ -237,6 +293,7 @@ class _Body:
         self.helpers = helpers
         self.lines: list[str] = []
         self.expr: dict[str, str] = {}
+        self.ranges: dict[str, tuple[int, int] | None] = {}  # integer nodes whose C operator cannot overflow
         self.temps = 0
         order: list[Node] = []
         seen: set[str] = set()
@@ -257,6 +314,8 @@ class _Body:
                     stack.append((node, True))
                     stack.extend((a, False) for a in reversed(node.args) if a.digest not in seen)
         for node in order:
+            if node.dtype.is_int:
+                self.ranges[node.digest] = _int_range(node, [self.ranges.get(a.digest) for a in node.args])
             text = self._format(node, [self.expr[a.digest] for a in node.args])
             if uses[node.digest] > 1 and node.op not in ("input", "const", "param"):
                 name = f"t{self.temps}"
@@ -270,8 +329,9 @@ class _Body:
     def __getitem__(self, node: Node) -> str:
         return self.expr[node.digest]
 
-    def _helper(self, name: str) -> str:
-        self.helpers.add(name)
+    def _helper(self, name: str, section: str | None = None) -> str:
+        """`name`, a helper function from score_math.cuh's section `section` (default: its own)."""
+        self.helpers.add(section or name)
         return name
 
     def _format(self, n: Node, a: list[str]) -> str:
@@ -295,8 +355,10 @@ class _Body:
         if op == "where":
             return f"({a[0]} ? {a[1]} : {a[2]})"
         is_float = n.args[0].dtype is DType.FLOAT32 if n.args else False
+        # an integer + - * neg abs whose operands' ranges rule out overflow keeps C's operator
+        exact = n.dtype.is_int and self.ranges.get(n.digest) is not None
         if op == "neg":
-            return f"(-{a[0]})"
+            return f"(-{a[0]})" if is_float or exact else _call(self._helper("fg_neg", "fg_wrap"), a)
         if op == "not":
             return f"(!{a[0]})"
         if op == "abs":
@@ -309,7 +371,9 @@ class _Body:
                 self._helper(fn)
             return _call(fn, a)
         if op == "mul":
-            return _call("__fmul_rn", a) if is_float else f"({a[0]} * {a[1]})"
+            if is_float:
+                return _call("__fmul_rn", a)
+            return f"({a[0]} * {a[1]})" if exact else _call(self._helper("fg_mul", "fg_wrap"), a)
         if op == "div":
             return _call(self._helper("fg_div"), a)
         if op == "floordiv":
@@ -317,11 +381,17 @@ class _Body:
         if op == "mod":
             return _call(self._helper("fg_fmod_floor" if is_float else "fg_mod"), a)
         if op == "fmod":
-            return _call("fmodf", a) if is_float else f"({a[0]} % {a[1]})"  # C's remainder is torch.fmod's
+            if is_float:
+                return _call("fmodf", a)
+            if n.args[1].op == "const" and n.args[1].attr not in (0, -1):  # C's remainder is torch.fmod's
+                return f"({a[0]} % {a[1]})"
+            return _call(self._helper("fg_fmod"), a)  # ... except INT_MIN % -1, undefined in C
         if op == "pow":
             return _call("powf", a)
         if op in ("min", "max"):
             return _call(self._helper("fg_" + op), a)
+        if op in _WRAPPING and not is_float and not exact:
+            return _call(self._helper(_WRAPPING[op], "fg_wrap"), a)
         if op in _INFIX:
             return f"({a[0]} {_INFIX[op]} {a[1]})"
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
@@ -329,6 +399,9 @@ class _Body:
     def _cast(self, src: DType, dst: DType, x: str) -> str:
         if dst is DType.BOOL:
             return f"({x} != 0.0f)" if src is DType.FLOAT32 else f"({x} != 0)"
+        if src is DType.FLOAT32 and dst.is_int:  # a C cast is undefined out of range: saturate like cvt.rzi
+            fn = "fg_float_to_int" if dst is DType.INT32 else "fg_float_to_long"
+            return _call(self._helper(fn, "fg_float_to_int"), [x])
         return f"({CTYPE[dst]}){x}"
 
     def _load(self, n: Node, idx: list[str]) -> str:
