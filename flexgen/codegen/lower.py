@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..dsl.ir import INT_RANGE, BufferSpec, DType, Node, buffers_of, inputs_of, params_of
-from ..dsl.printer import pretty
+from ..dsl.printer import format_node, pretty, pretty_lines
 
 CTYPE = {DType.BOOL: "bool", DType.INT32: "int", DType.INT64: "long long", DType.FLOAT32: "float"}
 
@@ -295,6 +295,7 @@ class _Body:
         self.expr: dict[str, str] = {}
         self.ranges: dict[str, tuple[int, int] | None] = {}  # integer nodes whose C operator cannot overflow
         self.temps = 0
+        notes: dict[str, tuple[str, int]] = {}  # each node's text, cut at 80 characters (linear memory)
         order: list[Node] = []
         seen: set[str] = set()
         uses: dict[str, int] = {}
@@ -317,10 +318,11 @@ class _Body:
             if node.dtype.is_int:
                 self.ranges[node.digest] = _int_range(node, [self.ranges.get(a.digest) for a in node.args])
             text = self._format(node, [self.expr[a.digest] for a in node.args])
+            notes[node.digest] = format_node(node, [notes[a.digest] for a in node.args], 80)
             if uses[node.digest] > 1 and node.op not in ("input", "const", "param"):
                 name = f"t{self.temps}"
                 self.temps += 1
-                note = pretty(node)
+                note = notes[node.digest][0]
                 note = f"  // {_comment(note)}" if len(note) <= 80 and note != _unparen(text) else ""
                 self.lines.append(f"    const {CTYPE[node.dtype]} {name} = {_unparen(text)};{note}")
                 text = name
@@ -473,19 +475,30 @@ def _function(signature: str, comment: list[str], body: _Body, result: str) -> s
     return "\n".join(lines)
 
 
+_COMMENT_LIMIT = 2000  # a longer expression is shown in the comment in SSA form, one line per shared node
+
+
+def _expr_comment(label: str, expr: Node) -> list[str]:
+    """The user's expression as comment lines: one line, or SSA lines where one would be too long."""
+    text = pretty(expr, _COMMENT_LIMIT)
+    if not text.endswith("..."):
+        return [f"{label}{text}"]
+    return [label.rstrip(": =") + ":"] + [f"    {line}" for line in pretty_lines(expr).splitlines()]
+
+
 def _score_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(SCORE_SIGNATURE, ["score_mod: identity"], _Body([], names, helpers), "score")
     body = _Body([expr], names, helpers)
     result = body[expr] if expr.dtype is DType.FLOAT32 else f"(float){body[expr]}"
-    return _function(SCORE_SIGNATURE, [f"score_mod: {pretty(expr)}"], body, result)
+    return _function(SCORE_SIGNATURE, _expr_comment("score_mod: ", expr), body, result)
 
 
 def _mask_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(MASK_SIGNATURE, ["mask_mod: none (every position is visible)"], _Body([], names, helpers), "true")
     body = _Body([expr], names, helpers)
-    return _function(MASK_SIGNATURE, [f"mask_mod: {pretty(expr)}"], body, body[expr])
+    return _function(MASK_SIGNATURE, _expr_comment("mask_mod: ", expr), body, body[expr])
 
 
 def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers,
@@ -506,13 +519,15 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
         roots.append(p)
         roots.extend(ld.args)
     body = _Body(roots, names, helpers)
-    comment = [f"score_mod_bwd of: {pretty(expr)}", f"  d/dscore = {pretty(dscore)}"]
+    comment = _expr_comment("score_mod_bwd of: ", expr) + _expr_comment("  d/dscore = ", dscore)
     comment += [f"  d/d{name}[...] = 0 everywhere (no differentiable read)" for name in zero]
     for k, (ld, p) in enumerate(partials):
         spec = ld.attr
         member = names[spec.name]
         offset = _Body.index(spec, ld.args, [body[i] for i in ld.args], f"{member}_grad")
-        comment.append(f"  d/d{pretty(ld)} = {pretty(p)}  (gradient site {k})")
+        partial = _expr_comment(f"  d/d{pretty(ld, 200)} = ", p)
+        partial[0] += f"  (gradient site {k})"
+        comment += partial
         if deterministic:
             per_step = all(inputs_of(i) <= {"b", "h"} for i in ld.args)  # the element stays put for a step
             call, value = ("add_bh" if per_step else "add"), f"grad_out, {_unparen(body[p])}"
@@ -581,7 +596,7 @@ def lower_mods(spec) -> LoweredMods:
     """Lower spec.score_expr / spec.mask_expr (and, for kind "bwd", the score_mod derivative).
     Memoized per spec: the runtime calls this on every launch to pack ModArgs."""
     if spec.mask_expr is not None and "score" in inputs_of(spec.mask_expr):
-        raise LoweringError(f"mask_mod {pretty(spec.mask_expr)!r} reads `score`; a mask_mod sees only b, h, q_idx, kv_idx")
+        raise LoweringError(f"mask_mod {pretty(spec.mask_expr, 200)!r} reads `score`; a mask_mod sees only b, h, q_idx, kv_idx")
     bufs, params = _collect(spec)
     for b in bufs:
         if b.dtype not in STORAGE:
