@@ -281,6 +281,9 @@ def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] |
     return None
 
 
+_MAX_INLINE = 240  # characters of C an expression may grow to before it is named
+
+
 class _Body:
     """Statements for one device function computing several roots that share temporaries.
 
@@ -319,7 +322,9 @@ class _Body:
                 self.ranges[node.digest] = _int_range(node, [self.ranges.get(a.digest) for a in node.args])
             text = self._format(node, [self.expr[a.digest] for a in node.args])
             notes[node.digest] = format_node(node, [notes[a.digest] for a in node.args], 80)
-            if uses[node.digest] > 1 and node.op not in ("input", "const", "param"):
+            # shared nodes get a temporary, and so does a long expression (keeps each line readable
+            # and the work linear: a 1000-deep chain is not one 1000-deep C expression)
+            if (uses[node.digest] > 1 or len(text) > _MAX_INLINE) and node.op not in ("input", "const", "param"):
                 name = f"t{self.temps}"
                 self.temps += 1
                 note = notes[node.digest][0]
