@@ -110,7 +110,10 @@ def _bool_exprs(draw, max_depth: int = 3, allow_loads: bool = True, allow_params
     if kind == "fcmp" and allow_float:
         op = draw(st.sampled_from(ir.COMPARE_OPS))
         a = draw(float_exprs(d, allow_loads=allow_loads, allow_params=allow_params, allow_score=False))
-        return ir.binary(op, a, draw(float_consts()))
+        shape = draw(st.sampled_from((None, None, "isnan", "sign") + ir.ROUNDING_OPS))  # ops masks meet less often
+        if shape == "isnan":
+            return ir.unary("isnan", a)
+        return ir.binary(op, ir.unary(shape, a) if shape else a, draw(float_consts()))
     if kind == "logic":
         op = draw(st.sampled_from(ir.LOGIC_OPS))
         kw = dict(allow_loads=allow_loads, allow_params=allow_params, allow_float=allow_float)
