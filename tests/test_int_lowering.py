@@ -120,9 +120,11 @@ extern "C" __global__ void probe(const ModArgs args, int* out) {
 # ---------------------------------------------------------------- in the attention kernel
 
 
-def _kernel_visible(mod, n: int):
+def _kernel_visible(mod, n: int, family: str):
     """Which (q, kv) pairs the kernel lets through: q = k = 0 and v = identity, one partial tile, so
-    row i of the output is (visible pairs of row i) / (their count), exactly representable in bf16."""
+    row i of the output is (visible pairs of row i) / (their count), exactly representable in bf16.
+    precise_math: the programs' float divisions are then IEEE, as in the evaluator (this test is
+    about integers; the fast division's last-bit differences are covered elsewhere)."""
     rows = 1
     bm = flexgen.BlockMask.from_kv_blocks(
         torch.ones((1, 1, rows), dtype=torch.int32, device="cuda"),
@@ -131,12 +133,12 @@ def _kernel_visible(mod, n: int):
     )
     q = torch.zeros(1, 1, n, n, device="cuda", dtype=torch.bfloat16)
     v = torch.eye(n, device="cuda", dtype=torch.bfloat16)[None, None]
-    out = flexgen.flex_attention(q, q.clone(), v, block_mask=bm)
+    out = flexgen.flex_attention(q, q.clone(), v, block_mask=bm, kernel_options={"precise_math": True, "family": family})
     return (out[0, 0].float() > 0).cpu()
 
 
 @pytest.mark.gpu
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_random_int_programs_in_the_kernel_match_the_evaluator(data):
     n = 128
@@ -145,5 +147,6 @@ def test_random_int_programs_in_the_kernel_match_the_evaluator(data):
     want = evaluate(mod.expr, {"b": torch.tensor(0, dtype=torch.int32), "h": torch.tensor(0, dtype=torch.int32),
                                "q_idx": ar[:, None], "kv_idx": ar[None, :]}, mod.buffers, mod.params,
                     torch.float32).expand(n, n)
-    got = _kernel_visible(mod, n)
-    assert torch.equal(got, want), (program, int((got != want).sum()))
+    family = data.draw(st.sampled_from(["sm80", "sm90"]))
+    got = _kernel_visible(mod, n, family)
+    assert torch.equal(got, want), (program, family, int((got != want).sum()))
