@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import flexgen
+from flexgen.codegen.lower import LoweringError, lower_mods
+from flexgen.codegen.spec import KernelSpec
 from flexgen.dsl import ir
 from flexgen.dsl.errors import FlexgenTraceError
 
@@ -53,6 +55,11 @@ def test_expressions_past_the_size_limit_are_refused_clearly():
         flexgen.score_mod(deep_score(ir.MAX_NODES // 3 + 10))
     with pytest.raises(FlexgenTraceError, match=f"at most {ir.MAX_NODES}"):
         flexgen.mask_mod("q_idx" + " + kv_idx" * (ir.MAX_NODES + 10) + " > 0")
+    big = ir.input_("kv_idx")
+    for k in range(ir.MAX_NODES):  # IR built by hand, not traced: refused when lowered
+        big = ir.binary("add", big, ir.const(k))
+    with pytest.raises(LoweringError, match=f"mask_mod has {2 * ir.MAX_NODES + 2} distinct operations.*at most {ir.MAX_NODES}"):
+        lower_mods(KernelSpec(kind="fwd", mask_expr=ir.binary("gt", big, ir.const(0))))
 
 
 def test_shared_subexpressions_do_not_blow_up_the_comments():

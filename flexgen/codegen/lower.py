@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..dsl.ir import INT_RANGE, BufferSpec, DType, Node, buffers_of, inputs_of, params_of
+from ..dsl.ir import INT_RANGE, BufferSpec, DType, IRTypeError, Node, buffers_of, inputs_of, params_of
+from ..dsl.ir import check_size as ir_check_size
 from ..dsl.printer import format_node, pretty, pretty_lines
 
 CTYPE = {DType.BOOL: "bool", DType.INT32: "int", DType.INT64: "long long", DType.FLOAT32: "float"}
@@ -602,6 +603,12 @@ def lower_mods(spec) -> LoweredMods:
     Memoized per spec: the runtime calls this on every launch to pack ModArgs."""
     if spec.mask_expr is not None and "score" in inputs_of(spec.mask_expr):
         raise LoweringError(f"mask_mod {pretty(spec.mask_expr, 200)!r} reads `score`; a mask_mod sees only b, h, q_idx, kv_idx")
+    for what, expr in (("score_mod", spec.score_expr), ("mask_mod", spec.mask_expr)):
+        if expr is not None:  # traced mods were checked already; IR built by hand is checked here
+            try:
+                ir_check_size(expr, what)
+            except IRTypeError as e:
+                raise LoweringError(str(e)) from None
     bufs, params = _collect(spec)
     for b in bufs:
         if b.dtype not in STORAGE:
