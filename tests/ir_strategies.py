@@ -110,7 +110,10 @@ def _bool_exprs(draw, max_depth: int = 3, allow_loads: bool = True, allow_params
     if kind == "fcmp" and allow_float:
         op = draw(st.sampled_from(ir.COMPARE_OPS))
         a = draw(float_exprs(d, allow_loads=allow_loads, allow_params=allow_params, allow_score=False))
-        return ir.binary(op, a, draw(float_consts()))
+        shape = draw(st.sampled_from((None, None, "isnan", "sign") + ir.ROUNDING_OPS))  # ops masks meet less often
+        if shape == "isnan":
+            return ir.unary("isnan", a)
+        return ir.binary(op, ir.unary(shape, a) if shape else a, draw(float_consts()))
     if kind == "logic":
         op = draw(st.sampled_from(ir.LOGIC_OPS))
         kw = dict(allow_loads=allow_loads, allow_params=allow_params, allow_float=allow_float)
@@ -470,6 +473,11 @@ _INVALID = {  # fragment (a: an int value, p: a bool value, big: a constant) -> 
     "where1": lambda a, p, big: torch.where(p),
     "reduction": lambda a, p, big: torch.max(a),
     "builtin_min": lambda a, p, big: min(a, a + 1),
+    "builtin_max": lambda a, p, big: max(a, a - 1),  # Python's max compares: torch.maximum is the traced form
+    "shift_by_traced": lambda a, p, big: 1 << a,  # a shift count must be a constant Python int
+    "rshift_by_traced": lambda a, p, big: a >> a,
+    "matmul": lambda a, p, big: a @ a,  # traced values are scalars: torch.mul
+    "bool_minus_bool": lambda a, p, big: (p - p).int() + a,  # torch refuses - on two bools
     "float_condition": lambda a, p, big: torch.where(a.float(), a, a),
     "invert_int": lambda a, p, big: ~a,
 }
@@ -505,6 +513,12 @@ def run_program(node, env: dict):
         return torch.clamp(r(rest[0]), rest[1], rest[2])
     if kind == "bool_times":
         return r(rest[0]) * rest[1]
+    if kind == "shift":  # by a constant count: x << k wraps like x * 2**k, x >> k floors like x // 2**k
+        op, a, k = rest
+        return r(a) << k if op == "<<" else r(a) >> k
+    if kind == "bool_arith":  # torch: bool + bool is logical or, bool * bool logical and
+        op, a, b = rest
+        return r(a) + r(b) if op == "+" else r(a) * r(b)
     if kind == "long":
         return r(rest[0]).long()
     if kind == "int":
@@ -585,7 +599,7 @@ def _program_ints(draw, depth: int):
     d = depth - 1
     kind = draw(st.sampled_from(["arith", "arith", "arith", "rarith", "neg", "abs", "floordiv", "mod", "minimum",
                                  "maximum", "where", "clamp", "long", "int", "load", "load64", "interval",
-                                 "interval2", "float_to_int", "bool_times"]))
+                                 "interval2", "float_to_int", "bool_times", "shift"]))
     if kind == "arith":
         return ("arith", draw(st.sampled_from(sorted(_ARITH))), _traced(draw(program_ints(d))), draw(program_ints(d)))
     if kind == "rarith":
@@ -598,6 +612,9 @@ def _program_ints(draw, depth: int):
         return (kind, _traced(draw(program_ints(d))), _traced(draw(program_ints(d))))  # torch.minimum takes tensors
     if kind == "where":  # both branches may be Python ints: torch makes those int64
         return ("where", draw(program_bools(d)), draw(program_ints(d)), draw(program_ints(d)))
+    if kind == "shift":
+        return ("shift", draw(st.sampled_from(["<<", ">>"])), _traced(draw(program_ints(d))),
+                draw(st.sampled_from([0, 1, 3, 16, 31, 32, 40])))
     if kind == "bool_times":  # bool * Python int is int64 in torch
         return ("bool_times", draw(program_bools(d)), draw(st.sampled_from(PROGRAM_INTS)))
     if kind == "clamp":
@@ -631,7 +648,7 @@ def _program_bools(draw, depth: int):
         return ("cmp", draw(st.sampled_from(COMPARE_SYMBOLS)), _traced(draw(program_ints(max(depth - 1, 0)))),
                 draw(program_ints(max(depth - 1, 0))))
     d = depth - 1
-    kind = draw(st.sampled_from(["cmp", "cmp", "fcmp", "and", "or", "xor", "not", "logical_and", "where"]))
+    kind = draw(st.sampled_from(["cmp", "cmp", "fcmp", "and", "or", "xor", "not", "logical_and", "where", "bool_arith"]))
     if kind == "cmp":
         return ("cmp", draw(st.sampled_from(COMPARE_SYMBOLS)), _traced(draw(program_ints(d))), draw(program_ints(d)))
     if kind == "fcmp":
@@ -639,6 +656,8 @@ def _program_bools(draw, depth: int):
                 ("k", draw(st.sampled_from([0.0, 0.5, -2.5, 1e9, float("inf")]))))
     if kind == "not":
         return ("not", draw(program_bools(d)))
+    if kind == "bool_arith":
+        return ("bool_arith", draw(st.sampled_from(["+", "*"])), draw(program_bools(d)), draw(program_bools(d)))
     if kind == "where":
         return ("where", draw(program_bools(d)), draw(program_bools(d)), draw(program_bools(d)))
     return (kind, draw(program_bools(d)), draw(program_bools(d)))

@@ -152,8 +152,8 @@ def describe(spec, flags, be, log: str, seconds: float) -> dict:
         "flexgen_version": __version__,
         "spec": spec.describe(),
         "variant": {
-            "score_mod": pretty(spec.score_expr) if spec.score_expr is not None else None,
-            "mask_mod": pretty(spec.mask_expr) if spec.mask_expr is not None else None,
+            "score_mod": pretty(spec.score_expr, 2000) if spec.score_expr is not None else None,
+            "mask_mod": pretty(spec.mask_expr, 2000) if spec.mask_expr is not None else None,
         },
         "entry": spec.entry_name,
         "compiler": {"name": be.NAME, "version": be.version(), "flags": list(flags)},

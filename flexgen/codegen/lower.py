@@ -11,6 +11,11 @@
 
 Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
 Python (small helper functions), floats are float32, int32/int64 are int/long long.
+Integer `+ - *`, negation and abs wrap around like torch's int32/int64 tensors: where the
+operands' value ranges (indices are in [0, 2**31 - 1]) show that no overflow can happen the
+plain C operator is written, elsewhere `fg_add(a, b)` etc., which compute in unsigned
+arithmetic (signed overflow is undefined in C++, so a compiler may fold `q + c > q` to true).
+A float cast to an integer is `fg_float_to_int(x)`: truncation toward zero, saturating, NaN -> 0.
 Float multiplies are written `__fmul_rn(a, b)` so the compiler cannot fuse them
 with an add into an FMA: the result then rounds exactly like torch's float32.
 No CUDA header is needed: 16-bit buffers are read as raw `unsigned short` bits.
@@ -24,8 +29,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..dsl.ir import BufferSpec, DType, Node, buffers_of, inputs_of, params_of
-from ..dsl.printer import pretty
+from ..dsl.ir import INT_RANGE, BufferSpec, DType, IRTypeError, Node, buffers_of, inputs_of, params_of
+from ..dsl.ir import check_size as ir_check_size
+from ..dsl.printer import format_node, pretty, pretty_lines
 
 CTYPE = {DType.BOOL: "bool", DType.INT32: "int", DType.INT64: "long long", DType.FLOAT32: "float"}
 
@@ -225,6 +231,60 @@ def _call(fn: str, args: list[str]) -> str:
     return f"{fn}({', '.join(_unparen(x) for x in args)})"
 
 
+_INDEX_RANGE = (0, 2**31 - 1)  # b, h, q_idx, kv_idx: int32 indices, never negative
+_WRAPPING = {"add": "fg_add", "sub": "fg_sub", "mul": "fg_mul"}
+
+
+def _fits(lo: int, hi: int, dtype: DType) -> bool:
+    t_lo, t_hi = INT_RANGE[dtype]
+    return t_lo <= lo and hi <= t_hi
+
+
+def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """Exact bounds of an integer node's values if its C operator cannot overflow, else None
+    (the node is then computed with a wrapping helper, and its value may be anything)."""
+    op = n.op
+    if op == "const":
+        return (int(n.attr), int(n.attr))
+    if op == "input":
+        return _INDEX_RANGE
+    if op == "cast":
+        src = n.args[0].dtype
+        if src is DType.BOOL:
+            return (0, 1)
+        return args[0] if src.is_int and args[0] is not None and _fits(*args[0], n.dtype) else None
+    if op in ("add", "sub", "mul", "neg", "abs", "min", "max", "where"):
+        if any(a is None for a in args[-2:]):
+            return None
+        if op == "neg":
+            lo, hi = -args[0][1], -args[0][0]
+        elif op == "abs":
+            lo, hi = args[0]
+            lo, hi = (0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+        elif op in ("min", "max", "where"):
+            (alo, ahi), (blo, bhi) = args[-2:]
+            pick = min if op == "min" else max if op == "max" else None
+            lo, hi = (pick(alo, blo), pick(ahi, bhi)) if pick else (min(alo, blo), max(ahi, bhi))
+        else:
+            (alo, ahi), (blo, bhi) = args
+            if op == "add":
+                lo, hi = alo + blo, ahi + bhi
+            elif op == "sub":
+                lo, hi = alo - bhi, ahi - blo
+            else:
+                corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
+                lo, hi = min(corners), max(corners)
+        return (lo, hi) if _fits(lo, hi, n.dtype) else None
+    if op == "mod" and n.args[1].op == "const" and n.args[1].attr > 0:
+        return (0, n.args[1].attr - 1)
+    if op == "sign":
+        return (-1, 1)
+    return None
+
+
+_MAX_INLINE = 240  # characters of C an expression may grow to before it is named
+
+
 class _Body:
     """Statements for one device function computing several roots that share temporaries.
 
@@ -237,7 +297,9 @@ class _Body:
         self.helpers = helpers
         self.lines: list[str] = []
         self.expr: dict[str, str] = {}
+        self.ranges: dict[str, tuple[int, int] | None] = {}  # integer nodes whose C operator cannot overflow
         self.temps = 0
+        notes: dict[str, tuple[str, int]] = {}  # each node's text, cut at 80 characters (linear memory)
         order: list[Node] = []
         seen: set[str] = set()
         uses: dict[str, int] = {}
@@ -257,11 +319,16 @@ class _Body:
                     stack.append((node, True))
                     stack.extend((a, False) for a in reversed(node.args) if a.digest not in seen)
         for node in order:
+            if node.dtype.is_int:
+                self.ranges[node.digest] = _int_range(node, [self.ranges.get(a.digest) for a in node.args])
             text = self._format(node, [self.expr[a.digest] for a in node.args])
-            if uses[node.digest] > 1 and node.op not in ("input", "const", "param"):
+            notes[node.digest] = format_node(node, [notes[a.digest] for a in node.args], 80)
+            # shared nodes get a temporary, and so does a long expression (keeps each line readable
+            # and the work linear: a 1000-deep chain is not one 1000-deep C expression)
+            if (uses[node.digest] > 1 or len(text) > _MAX_INLINE) and node.op not in ("input", "const", "param"):
                 name = f"t{self.temps}"
                 self.temps += 1
-                note = pretty(node)
+                note = notes[node.digest][0]
                 note = f"  // {_comment(note)}" if len(note) <= 80 and note != _unparen(text) else ""
                 self.lines.append(f"    const {CTYPE[node.dtype]} {name} = {_unparen(text)};{note}")
                 text = name
@@ -270,8 +337,9 @@ class _Body:
     def __getitem__(self, node: Node) -> str:
         return self.expr[node.digest]
 
-    def _helper(self, name: str) -> str:
-        self.helpers.add(name)
+    def _helper(self, name: str, section: str | None = None) -> str:
+        """`name`, a helper function from score_math.cuh's section `section` (default: its own)."""
+        self.helpers.add(section or name)
         return name
 
     def _format(self, n: Node, a: list[str]) -> str:
@@ -295,8 +363,10 @@ class _Body:
         if op == "where":
             return f"({a[0]} ? {a[1]} : {a[2]})"
         is_float = n.args[0].dtype is DType.FLOAT32 if n.args else False
+        # an integer + - * neg abs whose operands' ranges rule out overflow keeps C's operator
+        exact = n.dtype.is_int and self.ranges.get(n.digest) is not None
         if op == "neg":
-            return f"(-{a[0]})"
+            return f"(-{a[0]})" if is_float or exact else _call(self._helper("fg_neg", "fg_wrap"), a)
         if op == "not":
             return f"(!{a[0]})"
         if op == "abs":
@@ -309,7 +379,9 @@ class _Body:
                 self._helper(fn)
             return _call(fn, a)
         if op == "mul":
-            return _call("__fmul_rn", a) if is_float else f"({a[0]} * {a[1]})"
+            if is_float:
+                return _call("__fmul_rn", a)
+            return f"({a[0]} * {a[1]})" if exact else _call(self._helper("fg_mul", "fg_wrap"), a)
         if op == "div":
             return _call(self._helper("fg_div"), a)
         if op == "floordiv":
@@ -317,11 +389,17 @@ class _Body:
         if op == "mod":
             return _call(self._helper("fg_fmod_floor" if is_float else "fg_mod"), a)
         if op == "fmod":
-            return _call("fmodf", a) if is_float else f"({a[0]} % {a[1]})"  # C's remainder is torch.fmod's
+            if is_float:
+                return _call("fmodf", a)
+            if n.args[1].op == "const" and n.args[1].attr not in (0, -1):  # C's remainder is torch.fmod's
+                return f"({a[0]} % {a[1]})"
+            return _call(self._helper("fg_fmod"), a)  # ... except INT_MIN % -1, undefined in C
         if op == "pow":
             return _call("powf", a)
         if op in ("min", "max"):
             return _call(self._helper("fg_" + op), a)
+        if op in _WRAPPING and not is_float and not exact:
+            return _call(self._helper(_WRAPPING[op], "fg_wrap"), a)
         if op in _INFIX:
             return f"({a[0]} {_INFIX[op]} {a[1]})"
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
@@ -329,6 +407,9 @@ class _Body:
     def _cast(self, src: DType, dst: DType, x: str) -> str:
         if dst is DType.BOOL:
             return f"({x} != 0.0f)" if src is DType.FLOAT32 else f"({x} != 0)"
+        if src is DType.FLOAT32 and dst.is_int:  # a C cast is undefined out of range: saturate like cvt.rzi
+            fn = "fg_float_to_int" if dst is DType.INT32 else "fg_float_to_long"
+            return _call(self._helper(fn, "fg_float_to_int"), [x])
         return f"({CTYPE[dst]}){x}"
 
     def _load(self, n: Node, idx: list[str]) -> str:
@@ -400,19 +481,30 @@ def _function(signature: str, comment: list[str], body: _Body, result: str) -> s
     return "\n".join(lines)
 
 
+_COMMENT_LIMIT = 2000  # a longer expression is shown in the comment in SSA form, one line per shared node
+
+
+def _expr_comment(label: str, expr: Node) -> list[str]:
+    """The user's expression as comment lines: one line, or SSA lines where one would be too long."""
+    text = pretty(expr, _COMMENT_LIMIT)
+    if not text.endswith("..."):
+        return [f"{label}{text}"]
+    return [label.rstrip(": =") + ":"] + [f"    {line}" for line in pretty_lines(expr).splitlines()]
+
+
 def _score_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(SCORE_SIGNATURE, ["score_mod: identity"], _Body([], names, helpers), "score")
     body = _Body([expr], names, helpers)
     result = body[expr] if expr.dtype is DType.FLOAT32 else f"(float){body[expr]}"
-    return _function(SCORE_SIGNATURE, [f"score_mod: {pretty(expr)}"], body, result)
+    return _function(SCORE_SIGNATURE, _expr_comment("score_mod: ", expr), body, result)
 
 
 def _mask_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(MASK_SIGNATURE, ["mask_mod: none (every position is visible)"], _Body([], names, helpers), "true")
     body = _Body([expr], names, helpers)
-    return _function(MASK_SIGNATURE, [f"mask_mod: {pretty(expr)}"], body, body[expr])
+    return _function(MASK_SIGNATURE, _expr_comment("mask_mod: ", expr), body, body[expr])
 
 
 def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers,
@@ -433,13 +525,15 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
         roots.append(p)
         roots.extend(ld.args)
     body = _Body(roots, names, helpers)
-    comment = [f"score_mod_bwd of: {pretty(expr)}", f"  d/dscore = {pretty(dscore)}"]
+    comment = _expr_comment("score_mod_bwd of: ", expr) + _expr_comment("  d/dscore = ", dscore)
     comment += [f"  d/d{name}[...] = 0 everywhere (no differentiable read)" for name in zero]
     for k, (ld, p) in enumerate(partials):
         spec = ld.attr
         member = names[spec.name]
         offset = _Body.index(spec, ld.args, [body[i] for i in ld.args], f"{member}_grad")
-        comment.append(f"  d/d{pretty(ld)} = {pretty(p)}  (gradient site {k})")
+        partial = _expr_comment(f"  d/d{pretty(ld, 200)} = ", p)
+        partial[0] += f"  (gradient site {k})"
+        comment += partial
         if deterministic:
             per_step = all(inputs_of(i) <= {"b", "h"} for i in ld.args)  # the element stays put for a step
             call, value = ("add_bh" if per_step else "add"), f"grad_out, {_unparen(body[p])}"
@@ -508,7 +602,13 @@ def lower_mods(spec) -> LoweredMods:
     """Lower spec.score_expr / spec.mask_expr (and, for kind "bwd", the score_mod derivative).
     Memoized per spec: the runtime calls this on every launch to pack ModArgs."""
     if spec.mask_expr is not None and "score" in inputs_of(spec.mask_expr):
-        raise LoweringError(f"mask_mod {pretty(spec.mask_expr)!r} reads `score`; a mask_mod sees only b, h, q_idx, kv_idx")
+        raise LoweringError(f"mask_mod {pretty(spec.mask_expr, 200)!r} reads `score`; a mask_mod sees only b, h, q_idx, kv_idx")
+    for what, expr in (("score_mod", spec.score_expr), ("mask_mod", spec.mask_expr)):
+        if expr is not None:  # traced mods were checked already; IR built by hand is checked here
+            try:
+                ir_check_size(expr, what)
+            except IRTypeError as e:
+                raise LoweringError(str(e)) from None
     bufs, params = _collect(spec)
     for b in bufs:
         if b.dtype not in STORAGE:

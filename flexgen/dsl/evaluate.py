@@ -3,7 +3,8 @@
 Integers are int32 or int64 tensors, as in the kernels (PyTorch's FlexAttention also passes
 int32 indices): `+ - *`, negation and `abs` wrap around modulo 2**32 or 2**64, narrowing casts
 keep the low bits. `//` floors and `%` takes the divisor's sign, like torch and Python (the
-lowering's fg_floordiv / fg_mod do the same). A float cast to an integer truncates toward zero
+lowering's fg_floordiv / fg_mod do the same; INT_MIN // -1 is INT_MIN and INT_MIN % -1 is 0, as torch
+gives them). On two bools, `+` / `*` are logical or / and (ir.binary builds them so), as in torch. A float cast to an integer truncates toward zero
 and saturates at the type's bounds, NaN giving 0, as the GPU's cvt.rzi does (torch on a CPU
 gives INT_MIN instead). Floats evaluate in `float_dtype` (float64 for the ground truth, float32
 to mirror the kernels). Index inputs broadcast, so one call covers a whole (b, h, q, kv) grid.

@@ -129,7 +129,7 @@ class Node:
     def __repr__(self) -> str:
         from .printer import pretty
 
-        return f"Node<{self.dtype.value}>({pretty(self)})"
+        return f"Node<{self.dtype.value}>({pretty(self, 2000)})"
 
 
 def _attr_token(attr: Any) -> str:
@@ -282,6 +282,8 @@ def binary(op: str, a: Node, b: Node) -> Node:
         return Node(op, DType.BOOL, (cast(a, t), cast(b, t)))
     if op not in ARITH_OPS:
         raise IRTypeError(f"unknown binary op {op!r}")
+    if a.dtype is DType.BOOL and b.dtype is DType.BOOL and op != "div":
+        return _bool_arith(op, a, b)
     t = promote(a.dtype, b.dtype)
     if t is DType.BOOL:
         t = DType.INT32
@@ -290,11 +292,44 @@ def binary(op: str, a: Node, b: Node) -> Node:
     return Node(op, t, (cast(a, t), cast(b, t)))
 
 
+# torch on two bool tensors: + and maximum are logical or, * and minimum logical and (the result
+# stays bool); -, //, %, fmod and ** are refused. Division (true division) gives floats as usual.
+_BOOL_ARITH = {"add": "or", "max": "or", "mul": "and", "min": "and"}
+
+
+def _bool_arith(op: str, a: Node, b: Node) -> Node:
+    if op not in _BOOL_ARITH:
+        symbol = {"sub": "-", "floordiv": "//", "mod": "%", "fmod": "fmod", "pow": "**"}.get(op, op)
+        raise IRTypeError(
+            f"'{symbol}' on two bool values is not supported (torch refuses it too); cast one to int first "
+            "(x.int()), or use logical_xor / ^ for a bool difference"
+        )
+    return Node(_BOOL_ARITH[op], DType.BOOL, (a, b))
+
+
 def where(cond: Node, a: Node, b: Node) -> Node:
     if cond.dtype is not DType.BOOL:
         raise IRTypeError(f"where() needs a bool condition, got {cond.dtype.value}")
     t = promote(a.dtype, b.dtype)
     return Node("where", t, (cond, cast(a, t), cast(b, t)))
+
+
+# ---------------------------------------------------------------- size
+
+
+# A variant is at most this many distinct IR nodes (shared subexpressions count once). Every pass is
+# linear in it (the derivative too: it shares subexpressions), so the cap only keeps compile times and
+# generated code of a sane size; a real score_mod / mask_mod is a few dozen nodes.
+MAX_NODES = 20000
+
+
+def check_size(root: Node, what: str = "the expression") -> None:
+    n = sum(1 for _ in postorder(root))
+    if n > MAX_NODES:
+        raise IRTypeError(
+            f"{what} has {n} distinct operations; flexgen allows at most {MAX_NODES} (shared subexpressions "
+            "count once): split the computation or precompute part of it into a captured buffer"
+        )
 
 
 # ---------------------------------------------------------------- traversal

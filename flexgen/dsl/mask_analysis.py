@@ -344,6 +344,8 @@ class _Analyzer:
             return self.int_minmax(n, *args)
         if op == "abs":
             return self.int_abs(n, args[0])
+        if op == "sign":
+            return self.atom(n, _f(-1.0), _f(1.0))
         if op == "where":
             return self.int_where(n, *args)
         return self.top_int(n)
@@ -492,6 +494,8 @@ class _Analyzer:
             if isinstance(a, _Int):
                 return self.int_compare(n, a, b)
             return self.float_compare(n, a, b)
+        if op == "isnan":  # true only where the operand may be NaN
+            return _Bool(args[0].nan, True)
         return _Bool(True, True)  # loads, unbound params, anything else
 
     def bool_eq(self, n: Node, a: _Bool, b: _Bool, negate: bool) -> _Bool:
@@ -575,6 +579,8 @@ class _Analyzer:
             return self.float_monotone(op, args[0])
         if op in ("sin", "cos"):
             return _Float(-1.0 - _TRANS_SLACK, 1.0 + _TRANS_SLACK, args[0].nan)
+        if op == "sign":  # -1, 0 or 1 (NaN stays possible where the operand may be NaN)
+            return _Float(_f(-1.0), _f(1.0), args[0].nan, True)
         if op == "where":
             c, a, b = args
             lo = torch.where(c.must_t, a.lo, torch.where(c.must_f, b.lo, torch.minimum(a.lo, b.lo)))
@@ -640,6 +646,13 @@ _MONOTONE = {
     "log2": (torch.log2, 1e-30, True),
     "sqrt": (torch.sqrt, 0.0, True),
     "rsqrt": (torch.rsqrt, 1e-30, False),
+    "log1p": (torch.log1p, -1.0 + 1e-6, True),
+    "atan": (torch.atan, None, True),
+    # rounding to an integral value: non-decreasing (the widening keeps the bounds sound)
+    "floor": (torch.floor, None, True),
+    "ceil": (torch.ceil, None, True),
+    "round": (torch.round, None, True),
+    "trunc": (torch.trunc, None, True),
 }
 
 

@@ -154,6 +154,10 @@ _BINARY = {
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne}
 
 
+# Syntax-tree nodes that are parts of a rule, not values: their rule reads them itself.
+_NOT_VALUES = frozenset({"subscripts", "arguments", "keyword"})
+
+
 def _is_scalar(v: Any) -> bool:
     return as_scalar(v) is not None
 
@@ -164,11 +168,29 @@ class Evaluator:
     def __init__(self, text: str, tracer: Tracer, env: dict[str, Any], kind: str | None):
         self.text, self.tracer, self.env, self.kind = text, tracer, env, kind
         self.used: set[str] = set()
+        self.done: dict[int, Any] = {}  # id(subtree) -> its value, filled bottom-up by `run`
+
+    def run(self, tree: Tree) -> Any:
+        """The value of `tree`. Subtrees are evaluated first, deepest first, without recursion, so a
+        long chain such as `q_idx + 1 + 1 + ... + 1` needs no deep Python stack: when a rule then
+        evaluates its operands, they are already in `done`."""
+        order: list[Tree] = []
+        stack = [tree]
+        while stack:
+            t = stack.pop()
+            order.append(t)
+            stack.extend(c for c in t.children if isinstance(c, Tree))
+        for t in reversed(order):  # every operand before the rule that uses it
+            if t.data not in _NOT_VALUES:
+                self.done[id(t)] = self.eval(t)
+        return self.done[id(tree)]
 
     def error(self, line: int, column: int, detail: str) -> FlexgenSyntaxError:
         return FlexgenSyntaxError(detail, self.text, line, column)
 
     def eval(self, tree: Tree | Token) -> Any:
+        if id(tree) in self.done:
+            return self.done[id(tree)]
         try:
             return getattr(self, f"_{tree.data}")(*tree.children)
         except FlexgenSyntaxError:
@@ -306,7 +328,7 @@ def parse_mod(
     tracer = Tracer(kind or "score", f"{kind or 'text'}_mod {short!r}", locate=False)
     env = environment(tracer, arg_names(kind or "score"), bindings, specialize)
     evaluator = Evaluator(text, tracer, env, kind)
-    value = evaluator.eval(tree)
+    value = evaluator.run(tree)
     # Bindings the text does not use are ignored (callers may pass one set of names to a
     # score and a mask); a misspelt name in the text is still caught as an unknown name.
     if kind is None:

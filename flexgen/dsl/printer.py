@@ -12,12 +12,22 @@ _INFIX = {
 _ATOM = 9
 
 
-def pretty(root) -> str:
-    """One-line text of the expression; shared subexpressions are written out where used."""
+def pretty(root, limit: int | None = None) -> str:
+    """One-line text of the expression; shared subexpressions are written out where used.
+    With `limit`, text past `limit` characters is cut and ends in "..." (a DAG that shares
+    subexpressions can have a text exponentially longer than itself)."""
     text: dict[str, tuple[str, int]] = {}
     for n in postorder(root):
-        text[n.digest] = _format(n, [text[a.digest] for a in n.args])
+        text[n.digest] = format_node(n, [text[a.digest] for a in n.args], limit)
     return text[root.digest][0]
+
+
+def format_node(n, args: list[tuple[str, int]], limit: int | None = None) -> tuple[str, int]:
+    """(text, precedence) of `n` from its operands'; with `limit`, cut to limit characters + "..."."""
+    s, prec = _format(n, args)
+    if limit is not None and len(s) > limit:
+        return s[:limit] + "...", _ATOM
+    return s, prec
 
 
 def _paren(arg: tuple[str, int], prec: int, right: bool = False) -> str:
@@ -69,6 +79,9 @@ def pretty_lines(root) -> str:
     text: dict[str, tuple[str, int]] = {}
     for n in postorder(root):
         t = _format(n, [text[a.digest] for a in n.args])
+        for a in n.args:  # a single-use operand's text now lives on inside t: keep memory linear
+            if uses.get(a.digest, 0) == 1:
+                text.pop(a.digest, None)
         if uses.get(n.digest, 0) > 1 and n.op not in ("input", "const", "param"):
             name = f"t{len(names)}"
             names[n.digest] = name

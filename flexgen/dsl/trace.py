@@ -238,6 +238,10 @@ class Tracer:
                     "torch.where(cond, score, -float('inf')) to mask inside a score_mod"
                 )
             node = ir.cast(node, DType.FLOAT32)  # scores are float; an integer result is promoted
+        try:
+            ir.check_size(node, self.label)
+        except ir.IRTypeError as e:
+            raise FlexgenTraceError(str(e)) from None
         buffers = {s.name: self.buffers[s.name] for s in ir.buffers_of(node)}
         params = {name: self.params[name] for name in ir.params_of(node)}
         return node, buffers, params

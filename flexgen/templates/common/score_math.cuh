@@ -9,26 +9,36 @@
 // maximum propagate NaN, sign(NaN) is 0, rounding to float16 / bfloat16 is to nearest even.
 
 // @section fg_floordiv
-// Python/torch floor division: rounds toward -inf, unlike C's `/`.
+// Python/torch floor division: rounds toward -inf, unlike C's `/`. INT_MIN // -1 wraps to INT_MIN
+// as in torch (C leaves that division undefined, so it never reaches `/`).
 __device__ __forceinline__ int fg_floordiv(int a, int b) {
+    if (b == -1) return (int)(0u - (unsigned int)a);
     const int q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 __device__ __forceinline__ long long fg_floordiv(long long a, long long b) {
+    if (b == -1) return (long long)(0ull - (unsigned long long)a);
     const long long q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
 // @section fg_mod
-// Python/torch remainder: takes the sign of the divisor, unlike C's `%`.
+// Python/torch remainder: takes the sign of the divisor, unlike C's `%`; x % -1 is 0 (also INT_MIN % -1).
 __device__ __forceinline__ int fg_mod(int a, int b) {
+    if (b == -1) return 0;
     const int r = a % b;
     return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
 __device__ __forceinline__ long long fg_mod(long long a, long long b) {
+    if (b == -1) return 0;
     const long long r = a % b;
     return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
+
+// @section fg_fmod
+// torch.fmod on integers: C's `%` (the dividend's sign), with INT_MIN fmod -1 = 0 as in torch.
+__device__ __forceinline__ int fg_fmod(int a, int b) { return b == -1 ? 0 : a % b; }
+__device__ __forceinline__ long long fg_fmod(long long a, long long b) { return b == -1 ? 0 : a % b; }
 
 // @section fg_fmod_floor
 // torch.remainder on floats: fmod, moved to the divisor's sign.
@@ -38,9 +48,55 @@ __device__ __forceinline__ float fg_fmod_floor(float a, float b) {
     return r;
 }
 
-// @section fg_abs
-__device__ __forceinline__ int fg_abs(int a) { return a < 0 ? -a : a; }
-__device__ __forceinline__ long long fg_abs(long long a) { return a < 0 ? -a : a; }
+// @section fg_wrap
+// int32 / int64 + - * and negation that wrap around modulo 2^32 / 2^64 like torch's integer tensors.
+// Signed overflow is undefined in C++ (a compiler may assume `q + c > q`), unsigned arithmetic wraps:
+// compute there and convert back (two's complement). Lowering uses plain `+ - *` where the operands'
+// ranges show no overflow can happen.
+__device__ __forceinline__ int fg_add(int a, int b) { return (int)((unsigned int)a + (unsigned int)b); }
+__device__ __forceinline__ int fg_sub(int a, int b) { return (int)((unsigned int)a - (unsigned int)b); }
+__device__ __forceinline__ int fg_mul(int a, int b) { return (int)((unsigned int)a * (unsigned int)b); }
+__device__ __forceinline__ int fg_neg(int a) { return (int)(0u - (unsigned int)a); }
+__device__ __forceinline__ long long fg_add(long long a, long long b) {
+    return (long long)((unsigned long long)a + (unsigned long long)b);
+}
+__device__ __forceinline__ long long fg_sub(long long a, long long b) {
+    return (long long)((unsigned long long)a - (unsigned long long)b);
+}
+__device__ __forceinline__ long long fg_mul(long long a, long long b) {
+    return (long long)((unsigned long long)a * (unsigned long long)b);
+}
+__device__ __forceinline__ long long fg_neg(long long a) { return (long long)(0ull - (unsigned long long)a); }
+
+// @section fg_abs needs fg_wrap
+// torch.abs on integers: abs(INT_MIN) wraps to INT_MIN.
+__device__ __forceinline__ int fg_abs(int a) { return a < 0 ? fg_neg(a) : a; }
+__device__ __forceinline__ long long fg_abs(long long a) { return a < 0 ? fg_neg(a) : a; }
+
+// @section fg_float_to_int
+// float -> int32 / int64 truncating toward zero, saturating at the type's bounds, NaN -> 0: the GPU's
+// cvt.rzi (a plain C cast is undefined out of range, so the compiler could assume it never is). The
+// IR evaluator converts the same way; torch's CPU .int() differs only out of range (it gives INT_MIN).
+__device__ __forceinline__ int fg_float_to_int(float x) {
+#ifdef __CUDA_ARCH__
+    return __float2int_rz(x);
+#else
+    if (x != x) return 0;
+    if (x >= 2147483648.0f) return 2147483647;
+    if (x < -2147483648.0f) return -2147483647 - 1;
+    return (int)x;
+#endif
+}
+__device__ __forceinline__ long long fg_float_to_long(float x) {
+#ifdef __CUDA_ARCH__
+    return __float2ll_rz(x);
+#else
+    if (x != x) return 0;
+    if (x >= 9223372036854775808.0f) return 9223372036854775807LL;
+    if (x < -9223372036854775808.0f) return -9223372036854775807LL - 1;
+    return (long long)x;
+#endif
+}
 
 // @section fg_sign
 // torch.sign: -1, 0 or 1; 0 for both zeros and for NaN.
