@@ -2,7 +2,7 @@
 
     flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng)
                             -> (out, lse)
-    flexgen::attention_bwd  (q, k, v, out, lse, grad_out, <8 block-mask tensors>, buffers, scale,
+    flexgen::attention_bwd  (q, k, v, out, lse, grad_out, grad_lse, <8 block-mask tensors>, buffers, scale,
                              variant, dropout_p, rng, need_q, need_k, need_v, buffer_grads)
                             -> (dq, dk, dv, [d buffer for each index in buffer_grads])
 
@@ -19,8 +19,11 @@ import torch
 from torch import Tensor
 
 from .blockmask import BlockMask
+from .codegen.options import call_options
 from .runtime import backward as _backward_pass, forward as _forward_pass
-from .variant import variant
+from .runtime.call_checks import check_block_mask_shape, check_grid, check_scale, empty_like_layout
+from .runtime.plan import make_spec
+from .variant import _VARIANTS, variant
 
 MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -62,13 +65,30 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, *mask_and_rest):
+    check_traced_call(q, k, mask_and_rest[0], mask_and_rest[9], mask_and_rest[10])
     b, h, lq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty((b, h, lq), dtype=torch.float32)
+
+
+def check_traced_call(q: Tensor, k: Tensor, kv_num_blocks: Optional[Tensor], scale: float, variant_key: str) -> None:
+    """What the eager call checks before any launch, checked again where torch.compile traces the op (its fake
+    kernel): the scale, the grid, the block mask against the inputs, the kernel options, and where the device
+    has an architecture (a real or fake CUDA tensor, not a meta one) the kernel's plan itself."""
+    check_scale(scale)
+    check_grid(q.shape[0], q.shape[1])
+    var = _VARIANTS.get(variant_key)
+    if var is None:  # a key not made by flex_attention (the op called directly): nothing more to check
+        return
+    if kv_num_blocks is not None:
+        check_block_mask_shape(var.seq_lengths, kv_num_blocks, q, k)
+    options = call_options(var.kernel_options)
+    if q.device.type == "cuda":
+        make_spec("fwd", q, var.score, var.mask, options, mask_block=var.block_size)
 
 
 @torch.library.custom_op("flexgen::attention_bwd", mutates_args=())
 def attention_bwd(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Optional[Tensor],
     kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
     full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
     q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
@@ -84,7 +104,7 @@ def attention_bwd(
     wanted = tuple(names[i] for i in buffer_grads)
     dq, dk, dv, grads = _backward_pass.backward_call(
         q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
-        grad_buffers=wanted, **_dropout_kwargs(dropout_p, rng),
+        grad_buffers=wanted, grad_lse=grad_lse, **_dropout_kwargs(dropout_p, rng),
     )
     return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), [grads[n] for n in wanted])
 
@@ -95,11 +115,11 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 @attention_bwd.register_fake
-def _(q, k, v, out, lse, grad_out, *rest):
+def _(q, k, v, out, lse, grad_out, grad_lse, *rest):
     buffers, need_q, need_k, need_v, buffer_grads = rest[8], rest[13], rest[14], rest[15], rest[16]
-    dkv = k.new_empty(k.shape, dtype=q.dtype)
-    return (q.new_empty(q.shape) if need_q else q.new_empty(0), dkv if need_k else q.new_empty(0),
-            dkv.new_empty(dkv.shape) if need_v else q.new_empty(0),
+    none = q.new_empty(0)
+    return (empty_like_layout(q) if need_q else none, empty_like_layout(k, dtype=q.dtype) if need_k else q.new_empty(0),
+            empty_like_layout(v, dtype=q.dtype) if need_v else q.new_empty(0),
             [q.new_empty(buffers[i].shape, dtype=torch.float32) for i in buffer_grads])  # on q's device, fp32
 
 
@@ -117,18 +137,21 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *masks, *buffers)
     ctx.n_buffers = len(buffers)
     ctx.extra = (scale, key, dropout_p, rng)
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output (out or lse) brings None, not a tensor of zeros
 
 
 def _backward(ctx, grad_out, grad_lse):
+    """lse is differentiable: its gradient folds into the backward's delta (runtime/backward.py)."""
     q, k, v, out, lse, *rest = ctx.saved_tensors
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
     masks, buffers = rest[:8], rest[8:]
     scale, key, dropout_p, rng = ctx.extra
     need = ctx.needs_input_grad
     need_buffers = need[11] if isinstance(need[11], (list, tuple)) else [need[11]] * ctx.n_buffers
     wanted = [i for i, n in enumerate(need_buffers) if n]
     dq, dk, dv, grads = attention_bwd(
-        q, k, v, out, lse, grad_out, *masks, list(buffers), scale, key, dropout_p, rng,
+        q, k, v, out, lse, grad_out, grad_lse, *masks, list(buffers), scale, key, dropout_p, rng,
         bool(need[0]), bool(need[1]), bool(need[2]), wanted,
     )
     by_index = dict(zip(wanted, grads))

@@ -110,7 +110,7 @@ def test_fake_kernels_shapes_and_dtypes():
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (B, H, L) and lse.dtype == torch.float32
         dq, dk, dv, grads = torch.ops.flexgen.attention_bwd(
-            q, k, k, out, lse, out, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
+            q, k, k, out, lse, out, None, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
         assert dq.shape == q.shape and dk.numel() == 0 and dv.shape == k.shape and dv.dtype == q.dtype
         assert len(grads) == 1 and grads[0].shape == buf.shape and grads[0].dtype == torch.float32
         assert grads[0].device == q.device

@@ -12,24 +12,18 @@ import functools
 
 import torch
 
+from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, CALL_KNOWN, call_options
 from ..codegen.spec import KINDS, KernelSpec
 from ..dsl.ir import Node, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# kernel_options under PyTorch's names. The forward's tile: BLOCK_M query rows, BLOCK_N key rows, num_warps,
-# num_stages (2: K and V double-buffered).
-FWD_TILE_OPTIONS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
-# The backward's tile: query rows (BLOCK_M1) per step of a KV tile of BLOCK_N1 rows; num_warps1 (flexgen's):
-# the backward's warps per CTA, at most (fewer if the tile's warp layout needs).
-BWD_TILE_OPTIONS = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
-# deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod;
-# pingpong: the sm90 forward's warpgroup turns (default on); persistent: the sm90 grids of one CTA per SM
-# (default on). All but deterministic (a spec field) become spec options.
-FLAG_OPTIONS = ("deterministic", "precise_math", "pingpong", "persistent")
-KNOWN_OPTIONS = sorted(FWD_TILE_OPTIONS) + sorted(BWD_TILE_OPTIONS) + sorted(FLAG_OPTIONS) + ["family"]
-
+# kernel_options: one table, in codegen/options.py (names, value checks, PyTorch's ignored names).
+FWD_TILE_OPTIONS = CALL_FWD_TILES
+BWD_TILE_OPTIONS = CALL_BWD_TILES
+FLAG_OPTIONS = CALL_FLAGS
+KNOWN_OPTIONS = CALL_KNOWN
 
 def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | None = None, mask_expr: Node | None = None,
          *, family: str | None = None, tiles: tuple[tuple[str, int], ...] = (), dropout: bool = False,
@@ -86,10 +80,7 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
                kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block) -> KernelSpec:
     from ..arch import current_arch
 
-    options = dict(kernel_options)
-    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
-    if unknown:
-        raise ValueError(f"flex_attention: unknown kernel_options {unknown}; known: {KNOWN_OPTIONS}")
+    options = call_options(dict(kernel_options))
     backward_tiles = bwd_tile_overrides(options)  # checked by every call, before any launch
     if kind == "fwd":
         tiles = {field: int(options[name]) for name, field in FWD_TILE_OPTIONS.items() if name in options}
