@@ -76,7 +76,7 @@ def fold_lse_grad(delta: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor
     dL/ds_ij = P_ij (dP_ij - delta_i) + dLSE_i P_ij = P_ij (dP_ij - (delta_i - dLSE_i)): the kernels' own
     formula with delta_i - dLSE_i (natural units: lse, delta and the scores the kernels differentiate are).
     A row that saw nothing (lse = -inf, P = 0) gets nothing, even from a gradient like 2 lse of lse**2."""
-    g = grad_lse.to(device=delta.device, dtype=torch.float32).expand_as(delta)
+    g = grad_lse.to(device=delta.device, dtype=delta.dtype).expand_as(delta)
     delta.sub_(torch.where(torch.isneginf(lse), torch.zeros((), device=delta.device), g))
 
 
@@ -148,7 +148,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
     q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
     o, do = kernel_ready(out), kernel_ready(grad_out.to(query.dtype))
-    lse = lse.contiguous()
+    lse = lse if lse.is_contiguous() and lse.data_ptr() % 16 == 0 else lse.clone(memory_format=torch.contiguous_format)
     batch, heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     device = q.device
