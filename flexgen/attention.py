@@ -115,12 +115,6 @@ def _broadcast_kv_batch(query, key, value):
     return key, value
 
 
-def _outputs(out, lse, return_lse: bool, return_aux):
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
-    return (out, lse) if return_lse else out
-
-
 def _dropout_rng(dropout_p: float) -> torch.Tensor | None:
     """(seed, offset) for the dropout kernels, from torch's default (CPU) generator: reproducible
     under torch.manual_seed, no device sync, and an ordinary graph op under torch.compile."""
@@ -149,8 +143,9 @@ def flex_attention(
     Same arguments, shapes (B, H, L, D) and semantics as torch's flex_attention:
     score = q.k * scale (default 1/sqrt(D)), then score_mod(score, b, h, q_idx, kv_idx),
     then the block mask's mask_mod, softmax, times value. Returns out; (out, lse) with
-    return_lse=True; (out, AuxOutput(lse=...)) with return_aux=AuxRequest(lse=True). lse is in
-    natural log and carries a gradient. Key and value may have batch size 1 beside a larger
+    return_lse=True; (out, AuxOutput(lse=..., max_scores=...)) with return_aux=AuxRequest(lse=...,
+    max_scores=...). lse is in natural log and carries a gradient; max_scores is the row max of the
+    modded, scaled scores (-inf for a row that sees nothing), without a gradient. Key and value may have batch size 1 beside a larger
     query batch (shared across it, without a copy). Outputs keep their input's dimension order. Fully masked rows give 0 and lse = -inf. `dropout_p` drops
     attention probabilities as given (pass 0.0 for evaluation), like SDPA's.
 
@@ -175,9 +170,6 @@ def flex_attention(
                          "(return_lse is PyTorch's deprecated spelling)")
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise TypeError(f"flex_attention: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
-    if return_aux is not None and return_aux.max_scores:
-        raise NotImplementedError("flex_attention: AuxRequest(max_scores=True) is not supported by flexgen's kernels "
-                                  "yet; request lse only")
     kernel_options = dict(_checked_options(kernel_options))
     key, value = _broadcast_kv_batch(query, key, value)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
@@ -197,9 +189,12 @@ def flex_attention(
     if scale < 0:
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
-    out, lse = attention_fwd(query, key, value, *mask_tensors(bm), buffers, float(scale),
-                             variant, float(dropout_p), _dropout_rng(dropout_p))
-    return _outputs(out, lse, return_lse, return_aux)
+    want_max = return_aux is not None and bool(return_aux.max_scores)
+    out, lse, row_max = attention_fwd(query, key, value, *mask_tensors(bm), buffers, float(scale), variant,
+                                      float(dropout_p), _dropout_rng(dropout_p), want_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if want_max else None)
+    return (out, lse) if return_lse else out
 
 
 def _compile_backward_early(variant_key: str, query, key, value, buffers, bm, dropout_p: float) -> None:

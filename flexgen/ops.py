@@ -1,7 +1,7 @@
 """flexgen attention as torch.library custom ops, so torch.compile(fullgraph=True) traces through it.
 
-    flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng)
-                            -> (out, lse)
+    flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng,
+                             return_max) -> (out, lse, max_scores (empty unless return_max))
     flexgen::attention_bwd  (q, k, v, out, lse, grad_out, grad_lse, <8 block-mask tensors>, buffers, scale,
                              variant, dropout_p, rng, need_q, need_k, need_v, buffer_grads)
                             -> (dq, dk, dv, [d buffer for each index in buffer_grads])
@@ -55,22 +55,29 @@ def attention_fwd(
     q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
     full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
+    return_max: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     var = variant(variant_key)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                            q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
-    return _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options, **_dropout_kwargs(dropout_p, rng))
+    extra = {"max_scores": True} if return_max else {}
+    outputs = _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options,
+                                         **_dropout_kwargs(dropout_p, rng), **extra)
+    return outputs[0], outputs[1], outputs[2] if return_max else q.new_empty(0, dtype=torch.float32)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, *mask_and_rest):
-    check_traced_call(q, k, mask_and_rest[0], mask_and_rest[9], mask_and_rest[10])
+    return_max = mask_and_rest[13]
+    check_traced_call(q, k, mask_and_rest[0], mask_and_rest[9], mask_and_rest[10], return_max)
     b, h, lq, _ = q.shape
-    return empty_like_layout(q), q.new_empty((b, h, lq), dtype=torch.float32)
+    row_max = q.new_empty((b, h, lq) if return_max else (0,), dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty((b, h, lq), dtype=torch.float32), row_max
 
 
-def check_traced_call(q: Tensor, k: Tensor, kv_num_blocks: Optional[Tensor], scale: float, variant_key: str) -> None:
+def check_traced_call(q: Tensor, k: Tensor, kv_num_blocks: Optional[Tensor], scale: float, variant_key: str,
+                      return_max: bool = False) -> None:
     """What the eager call checks before any launch, checked again where torch.compile traces the op (its fake
     kernel): the scale, the grid, the block mask against the inputs, the kernel options, and where the device
     has an architecture (a real or fake CUDA tensor, not a meta one) the kernel's plan itself."""
@@ -83,7 +90,7 @@ def check_traced_call(q: Tensor, k: Tensor, kv_num_blocks: Optional[Tensor], sca
         check_block_mask_shape(var.seq_lengths, kv_num_blocks, q, k)
     options = call_options(var.kernel_options)
     if q.device.type == "cuda":
-        make_spec("fwd", q, var.score, var.mask, options, mask_block=var.block_size)
+        make_spec("fwd", q, var.score, var.mask, options, mask_block=var.block_size, max_scores=return_max)
 
 
 @torch.library.custom_op("flexgen::attention_bwd", mutates_args=())
@@ -133,14 +140,15 @@ def _buffer_names(score, mask) -> tuple[str, ...]:
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
     masks, buffers, scale, key, dropout_p, rng = rest[:8], rest[8], rest[9], rest[10], rest[11], rest[12]
-    out, lse = output
+    out, lse, row_max = output
+    ctx.mark_non_differentiable(row_max)  # a max: no gradient, as PyTorch's max_scores has none
     ctx.save_for_backward(q, k, v, out, lse, *masks, *buffers)
     ctx.n_buffers = len(buffers)
     ctx.extra = (scale, key, dropout_p, rng)
     ctx.set_materialize_grads(False)  # an unused output (out or lse) brings None, not a tensor of zeros
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_max=None):
     """lse is differentiable: its gradient folds into the backward's delta (runtime/backward.py)."""
     q, k, v, out, lse, *rest = ctx.saved_tensors
     if grad_out is None:  # only lse was used
@@ -157,7 +165,7 @@ def _backward(ctx, grad_out, grad_lse):
     by_index = dict(zip(wanted, grads))
     buffer_grads = [_like(by_index[i], buffers[i]) if i in by_index else None for i in range(len(buffers))]
     return ((dq if need[0] else None), (dk if need[1] else None), (dv if need[2] else None),
-            *([None] * 8), buffer_grads, None, None, None, None)
+            *([None] * 8), buffer_grads, None, None, None, None, None)
 
 
 def _like(grad: Tensor, buffer: Tensor) -> Tensor:

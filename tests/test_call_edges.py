@@ -4,6 +4,7 @@ misplaced BlockMasks), the lse gradient's wiring and its algebra, and the fake k
 tests/test_gpu_edges.py runs the same calls through the kernels."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 
@@ -225,12 +226,41 @@ def test_return_aux_lse():
     assert lse.shape == (B, H, L)
 
 
+def test_return_aux_max_scores():
+    q, k, v = (meta(B, H, L, D, requires_grad=True) for _ in range(3))
+    out, aux = flexgen.flex_attention(q, k, v, return_aux=flexgen.AuxRequest(max_scores=True))
+    assert aux.lse is None and aux.max_scores.shape == (B, H, L) and aux.max_scores.dtype == torch.float32
+    assert not aux.max_scores.requires_grad  # a max: no gradient, as PyTorch's
+    out, aux = flexgen.flex_attention(q, k, v, return_aux=flexgen.AuxRequest(lse=True, max_scores=True))
+    assert aux.lse.shape == aux.max_scores.shape == (B, H, L)
+    out.sum().backward()
+
+
+def test_max_scores_is_an_sm80_forward_option(hopper):
+    q = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
+    spec = make_spec("fwd", q, None, flexgen.variants.causal, None, max_scores=True)
+    assert spec.family == "sm80" and spec.option("max_scores") is True
+    plain = make_spec("fwd", q, None, flexgen.variants.causal, None)
+    assert plain.family == "sm90" and plain.option("max_scores") is None  # other kernels' specs stay as they were
+    assert make_spec("bwd", q, None, None, None, max_scores=True).option("max_scores") is None
+    with pytest.raises(ValueError, match="does not write max_scores"):
+        make_spec("fwd", q, None, None, {"family": "sm90"}, max_scores=True)
+
+
+def test_max_scores_kernel_source():
+    """The row-max output is in the source only where asked for; the others render as before."""
+    plain = flexgen.emit("fwd", score_mod=flexgen.variants.softcap(20.0), mask_mod=flexgen.variants.causal,
+                         head_dim=64, family="sm80")
+    with_max = flexgen.emit("fwd", score_mod=flexgen.variants.softcap(20.0), mask_mod=flexgen.variants.causal,
+                            head_dim=64, family="sm80", max_scores=True)
+    assert "max_scores" not in plain and "score_max" not in plain
+    assert "float* max_scores;" in with_max and "p.max_scores[" in with_max
+
+
 def test_return_aux_errors():
     q = meta(B, H, L, D)
     with pytest.raises(ValueError, match="not both"):
         flexgen.flex_attention(q, q, q, return_lse=True, return_aux=flexgen.AuxRequest(lse=True))
-    with pytest.raises(NotImplementedError, match="max_scores"):
-        flexgen.flex_attention(q, q, q, return_aux=flexgen.AuxRequest(lse=True, max_scores=True))
     with pytest.raises(TypeError, match="AuxRequest"):
         flexgen.flex_attention(q, q, q, return_aux={"lse": True})
 
@@ -366,7 +396,7 @@ def test_grid_limit_edge_is_accepted():
 
 def _fake_fwd(q, k, key, scale=0.125, mask=None):
     masks = ops.mask_tensors(mask)
-    return torch.ops.flexgen.attention_fwd(q, k, k, *masks, [], scale, key, 0.0, None)
+    return torch.ops.flexgen.attention_fwd(q, k, k, *masks, [], scale, key, 0.0, None, False)
 
 
 @pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
@@ -437,3 +467,19 @@ def test_torch_block_mask_passed_as_a_mod():
     q = meta(B, H, 128, D)
     with pytest.raises(TypeError, match="pass it as block_mask="):
         flexgen.flex_attention(q, q, q, score_mod=bm)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy_backends") is None, reason="NVRTC (cupy) is not installed")
+@pytest.mark.parametrize("head_dim,dropout", [(64, False), (128, False), (256, False), (128, True)])
+def test_max_scores_kernels_compile_without_spills(tmp_path, monkeypatch, head_dim, dropout):
+    from flexgen.cache import jit
+    from flexgen.cache.ptxas import has_spills
+    from flexgen.codegen.api import make_spec as emit_spec
+
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path))
+    for var in ("FLEXGEN_TEMPLATE_DIR", "FLEXGEN_NO_JIT", "FLEXGEN_COMPILER", "FLEXGEN_ARCH_LIST"):
+        monkeypatch.delenv(var, raising=False)
+    spec = emit_spec("fwd", flexgen.variants.softcap(20.0), flexgen.variants.causal, head_dim=head_dim, dtype="bf16",
+                     arch="sm_90a", family="sm80", max_scores=True, dropout=dropout)
+    kernel = jit.get_kernel(spec)
+    assert kernel.cubin[:4] == b"\x7fELF" and not has_spills(kernel.resources), kernel.resources

@@ -29,6 +29,7 @@ class Call:
     score_loads_per_element: bool = False  # score_mod reads a different buffer element for every score
     tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
+    max_scores: bool = False  # a forward that also writes the row max of the scores
 
 
 # A tile table row: (max head dim, (block_m, block_n, num_warps, num_stages)); the first row whose max head
@@ -177,6 +178,8 @@ class SM90(Family):
     def _refusal(self, call: Call) -> str | None:
         if call.dropout:
             return "it has no dropout"
+        if call.max_scores:
+            return "it does not write max_scores"
         if call.buffer_grads:
             return "it computes no score_mod buffer gradients"
         if call.tiles:

@@ -50,7 +50,8 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
         raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
-                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block)
+                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
+                max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
                       score_expr=score_expr, mask_expr=mask_expr, grad_buffers=grad_buffers, dropout=dropout,
@@ -62,13 +63,13 @@ _plan_cached = functools.lru_cache(maxsize=4096)(_plan)
 
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False, grad_buffers: tuple[str, ...] = (),
-              mask_block: tuple[int, int] | None = None) -> KernelSpec:
+              mask_block: tuple[int, int] | None = None, max_scores: bool = False) -> KernelSpec:
     """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
-    dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients
-    and the block mask's BLOCK_SIZE."""
+    dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients,
+    the block mask's BLOCK_SIZE and whether a forward writes max_scores."""
     options = tuple(sorted((kernel_options or {}).items()))
     args = (kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
-            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block)
+            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores)
     try:
         hash(options)
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
@@ -77,7 +78,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
-               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block) -> KernelSpec:
+               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block, max_scores: bool = False) -> KernelSpec:
     from ..arch import current_arch
 
     options = call_options(dict(kernel_options))
@@ -86,7 +87,10 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
         tiles = {field: int(options[name]) for name, field in FWD_TILE_OPTIONS.items() if name in options}
     else:
         tiles = backward_tiles if kind == "bwd" else {}
-    flags = tuple(sorted((k, bool(v)) for k, v in options.items() if k in FLAG_OPTIONS and k != "deterministic"))
+    flags = [(k, bool(v)) for k, v in options.items() if k in FLAG_OPTIONS and k != "deterministic"]
+    if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
+        flags.append(("max_scores", True))
+    flags = tuple(sorted(flags))
     return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
                 family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
                 grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
