@@ -222,7 +222,10 @@ def test_outputs_and_gradients_keep_their_inputs_layout():
     v = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     out, got = check(q, k, v, None, flexgen.variants.causal, (1.0, 0.0, 0.0), tag=f"layouts (seed {seed})")
     assert out.stride() == q.stride(), f"out strides {out.stride()} vs q's {q.stride()}"
-    assert q.grad.stride() == q.stride() and k.grad.stride() == k.stride() and v.grad.stride() == v.stride()
+    # autograd.grad hands back the op's own gradients (.grad may be restrided to match its leaf)
+    out = flexgen.flex_attention(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
 
 
 @gpu
@@ -236,3 +239,37 @@ def test_pytorch_only_kernel_options_run(monkeypatch):
     with pytest.warns(UserWarning, match="USE_TMA"):
         got = flexgen.flex_attention(q, q, q, kernel_options={"USE_TMA": True, "BLOCK_M2": 64, "BACKEND": "TRITON"})
     assert torch.equal(got, want)  # ignored options change nothing the kernels compute
+
+
+# ---------------------------------------------------------------- max_scores
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("with_score_mod", [False, True])
+def test_max_scores(D, with_score_mod):
+    """AuxRequest(max_scores=True): the row max of the modded, scaled scores, natural units; -inf on rows
+    that see nothing; out and lse as without it."""
+    seed = fresh_seed()
+    B, H, L = 2, 3, 333
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    score = flexgen.variants.softcap(20.0) if with_score_mod else None
+    mask = flexgen.mask_mod(lambda b, h, qi, ki: (qi % 7 != 0) & (ki <= qi))  # every 7th row sees nothing
+    bm = flexgen.create_block_mask(mask, None, None, L, L, device=DEV)
+    poison(q[..., 0].float(), q[..., 0].float())
+    out, aux = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm,
+                                      return_aux=flexgen.AuxRequest(lse=True, max_scores=True))
+    torch.cuda.synchronize()
+    plain_out, plain_lse = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, return_lse=True)
+    assert torch.equal(out, plain_out) and torch.equal(aux.lse, plain_lse)
+    scale = 1.0 / math.sqrt(D)
+    ref = masked_scores(q.double(), k.double(), v.double(), score, mask, scale)[0].amax(-1)
+    base = masked_scores(q, k, v, score, mask, scale)[0].amax(-1).double()
+    got = aux.max_scores
+    tag = f"D={D} score_mod={with_score_mod} (seed {seed})"
+    assert got.shape == (B, H, L) and got.dtype == torch.float32 and not torch.isnan(got).any(), tag
+    dead = torch.isneginf(ref)
+    assert dead.any() and torch.equal(torch.isneginf(got), dead), tag
+    err = (got.double() - ref)[~dead].norm().item()
+    bar = 2 * (base - ref)[~dead].norm().item() + 1e-4
+    assert err <= bar, f"max_scores error {err:.3e} > {bar:.3e}: {tag}"
