@@ -70,14 +70,14 @@ def attention_fwd(
 @attention_fwd.register_fake
 def _(q, k, v, *mask_and_rest):
     return_max = mask_and_rest[13]
-    check_traced_call(q, k, mask_and_rest[0], mask_and_rest[9], mask_and_rest[10], return_max)
+    check_traced_call(q, k, mask_and_rest[:8], mask_and_rest[9], mask_and_rest[10], return_max, mask_and_rest[11] > 0)
     b, h, lq, _ = q.shape
     row_max = q.new_empty((b, h, lq) if return_max else (0,), dtype=torch.float32)
     return empty_like_layout(q), q.new_empty((b, h, lq), dtype=torch.float32), row_max
 
 
-def check_traced_call(q: Tensor, k: Tensor, kv_num_blocks: Optional[Tensor], scale: float, variant_key: str,
-                      return_max: bool = False) -> None:
+def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, variant_key: str,
+                      return_max: bool = False, dropout: bool = False) -> None:
     """What the eager call checks before any launch, checked again where torch.compile traces the op (its fake
     kernel): the scale, the grid, the block mask against the inputs, the kernel options, and where the device
     has an architecture (a real or fake CUDA tensor, not a meta one) the kernel's plan itself."""
@@ -86,11 +86,15 @@ def check_traced_call(q: Tensor, k: Tensor, kv_num_blocks: Optional[Tensor], sca
     var = _VARIANTS.get(variant_key)
     if var is None:  # a key not made by flex_attention (the op called directly): nothing more to check
         return
-    if kv_num_blocks is not None:
-        check_block_mask_shape(var.seq_lengths, kv_num_blocks, q, k)
+    bm = _block_mask(var, mask_tensors)
+    if bm is not None:
+        check_block_mask_shape(var.seq_lengths, bm.kv_num_blocks, q, k)
     options = call_options(var.kernel_options)
     if q.device.type == "cuda":
-        make_spec("fwd", q, var.score, var.mask, options, mask_block=var.block_size, max_scores=return_max)
+        spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
+                         max_scores=return_max)
+        if bm is not None:
+            _forward_pass.check_block_mask(bm, q, k, spec)
 
 
 @torch.library.custom_op("flexgen::attention_bwd", mutates_args=())

@@ -426,6 +426,17 @@ def test_fake_kernel_checks_the_block_mask_against_the_inputs():
         flexgen.flex_attention(q, q, q, block_mask=mask)
 
 
+@pytest.mark.parametrize("options,match", [({"BLOCK_M": 16}, "allowed values"), ({"family": "sm90", "BLOCK_N": 64}, "tiles are fixed")])
+def test_fake_kernel_on_a_cuda_device_plans_the_kernel(hopper, options, match):
+    """Fake CUDA tensors (what torch.compile traces on a GPU) have an architecture: the fake kernel plans."""
+    key = variant_key("", "", None, None, options)
+    with FakeTensorMode():
+        x = torch.empty(B, H, L, D, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match=match):
+            _fake_fwd(x, x, key)
+        _fake_fwd(x, x, variant_key("", "", None, None, {"BLOCK_M": 64}))  # a tile the family takes
+
+
 def test_fake_kernel_checks_the_grid():
     q = meta(1, MAX_GRID_YZ + 1, 8, 64)
     with pytest.raises(ValueError, match="65535"):
