@@ -74,14 +74,23 @@ def test_kernel_ready_copies_misaligned_views_and_keeps_aligned_ones():
     assert kernel_ready(kv1) is kv1
 
 
-def test_backward_hands_grad_out_through_kernel_ready():
-    """grad_out is a user tensor too (any view): the backward reads it only through kernel_ready."""
-    import inspect
+class _Stop(Exception):
+    pass
 
+
+def test_backward_hands_grad_out_through_kernel_ready(monkeypatch):
+    """grad_out is a user tensor too (any view): the backward makes it kernel-ready before planning."""
     from flexgen.runtime import backward
 
-    source = inspect.getsource(backward._backward)
-    assert "kernel_ready(grad_out" in source and "kernel_ready(out)" in source
+    seen = []
+    monkeypatch.setattr(backward, "kernel_ready", lambda t: seen.append(t) or kernel_ready(t))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: (_ for _ in ()).throw(_Stop()))  # before any launch
+    q = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    grad_out = torch.as_strided(torch.randn(1 << 14, dtype=torch.bfloat16), q.shape, q.stride(), 997)
+    with pytest.raises(_Stop):
+        backward._backward(q, q, q, q, torch.zeros(1, 2, 40), grad_out, None, None, None, 0.1, None,
+                           (True, True, True), (), 0.0, None, None)
+    assert any(t is grad_out for t in seen) and kernel_ready(grad_out).data_ptr() % 16 == 0
 
 
 # ---------------------------------------------------------------- 2. a differentiable lse
