@@ -64,7 +64,20 @@ def attention_fwd(
     extra = {"max_scores": True} if return_max else {}
     outputs = _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options,
                                          **_dropout_kwargs(dropout_p, rng), **extra)
-    return outputs[0], outputs[1], outputs[2] if return_max else q.new_empty(0, dtype=torch.float32)
+    out = _in_layout_of(outputs[0], q)
+    return out, outputs[1], outputs[2] if return_max else q.new_empty(0, dtype=torch.float32)
+
+
+def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """t laid out as the fake kernels promise (like's dimension order): the launchers allocate it so; a
+    result that is not (a stand-in implementation's, say) is copied, so compiled code reading the fake
+    strides reads the right elements."""
+    if t.numel() == 0:
+        return t
+    want = empty_like_layout(like, t.shape, t.dtype)
+    if t.stride() == want.stride():
+        return t
+    return want.copy_(t)
 
 
 @attention_fwd.register_fake
@@ -117,6 +130,7 @@ def attention_bwd(
         q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
         grad_buffers=wanted, grad_lse=grad_lse, **_dropout_kwargs(dropout_p, rng),
     )
+    dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), [grads[n] for n in wanted])
 
 
