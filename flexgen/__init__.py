@@ -27,6 +27,8 @@ _EXPORTS = {
     "compile": ".codegen.api",
     "KernelSpec": ".codegen.spec",
     "flex_attention": ".attention",
+    "AuxRequest": ".attention",
+    "AuxOutput": ".attention",
     "create_block_mask": ".blockmask",
     "create_mask": ".blockmask",
     "block_sparse_mask": ".blockmask",

@@ -11,8 +11,27 @@ import math
 import torch
 
 from .blockmask import BlockMask
+from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
+from .runtime.call_checks import check_grid, check_scale
 from .runtime.plan import DTYPES
+
+try:  # PyTorch's own classes where the installed torch has them, so isinstance and field access match
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+except ImportError:  # torch before 2.9
+    from typing import NamedTuple
+
+    class AuxRequest(NamedTuple):
+        """Which auxiliary outputs flex_attention returns beside out."""
+
+        lse: bool = False
+        max_scores: bool = False
+
+    class AuxOutput(NamedTuple):
+        """flex_attention's auxiliary outputs; None where not requested."""
+
+        lse: torch.Tensor | None = None
+        max_scores: torch.Tensor | None = None
 
 
 class DtypeMismatchError(ValueError, TypeError):
@@ -43,8 +62,9 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     bq, hq, _, d = query.shape
     bk, hk, lk, dk = key.shape
     bv, hv, lv, dv = value.shape
-    if not (bq == bk == bv):
-        raise ValueError(f"flex_attention: batch sizes differ: query {bq}, key {bk}, value {bv}")
+    if bk != bv or bk not in (1, bq):
+        raise ValueError(f"flex_attention: batch sizes differ: query {bq}, key {bk}, value {bv}; key and value need "
+                         "the query's batch size, or 1 to share one key/value across the batch")
     if hk != hv or lk != lv:
         raise ValueError(f"flex_attention: key {tuple(key.shape)} and value {tuple(value.shape)} must agree in heads and length")
     if d != dk or d != dv:
@@ -58,6 +78,41 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
             raise ValueError(f"flex_attention: query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA")
     if query.shape[2] == 0 or lk == 0:
         raise ValueError("flex_attention: sequence lengths must be at least 1")
+    check_grid(bq, hq)
+
+
+def _check_mods(score_mod, block_mask) -> None:
+    """A BlockMask in score_mod's place, or a function in block_mask's: say where each belongs."""
+    if _is_block_mask(score_mod):
+        raise TypeError("flex_attention: a BlockMask was passed as score_mod; pass it as block_mask=")
+    if block_mask is not None and not _is_block_mask(block_mask):
+        raise TypeError(
+            f"flex_attention: block_mask must be a BlockMask, got {type(block_mask).__name__}; build one with "
+            "create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN), or pass a score-modifying function as score_mod="
+        )
+
+
+def _is_block_mask(x) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    return isinstance(x, (BlockMask, TorchBlockMask))
+
+
+@torch._dynamo.assume_constant_result
+def _checked_options(kernel_options) -> tuple:
+    """kernel_options checked (codegen/options.py), as sorted pairs; run at trace time under torch.compile,
+    so that the one warning for an option PyTorch has and flexgen ignores is Python's, not dynamo's."""
+    return tuple(sorted(call_options(kernel_options).items()))
+
+
+def _broadcast_kv_batch(query, key, value):
+    """A key/value batch of 1 beside a larger query batch: stride-0 views of the query's batch size, no
+    copy. The kernels read K and V through their batch stride (0 here), and autograd sums dK, dV over
+    the broadcast batch (expand's backward)."""
+    if key.shape[0] == 1 and query.shape[0] > 1:
+        b = query.shape[0]
+        key, value = key.expand(b, *key.shape[1:]), value.expand(b, *value.shape[1:])
+    return key, value
 
 
 def _dropout_rng(dropout_p: float) -> torch.Tensor | None:
@@ -80,13 +135,18 @@ def flex_attention(
     return_lse: bool = False,
     kernel_options: dict | None = None,
     dropout_p: float = 0.0,
+    *,
+    return_aux: AuxRequest | None = None,
 ):
     """Attention with a user score_mod and block mask, through generated FlashAttention kernels.
 
     Same arguments, shapes (B, H, L, D) and semantics as torch's flex_attention:
     score = q.k * scale (default 1/sqrt(D)), then score_mod(score, b, h, q_idx, kv_idx),
-    then the block mask's mask_mod, softmax, times value. Returns out, or (out, lse)
-    with lse in natural log. Fully masked rows give 0 and lse = -inf. `dropout_p` drops
+    then the block mask's mask_mod, softmax, times value. Returns out; (out, lse) with
+    return_lse=True; (out, AuxOutput(lse=..., max_scores=...)) with return_aux=AuxRequest(lse=...,
+    max_scores=...). lse is in natural log and carries a gradient; max_scores is the row max of the
+    modded, scaled scores (-inf for a row that sees nothing), without a gradient. Key and value may have batch size 1 beside a larger
+    query batch (shared across it, without a copy). Outputs keep their input's dimension order. Fully masked rows give 0 and lse = -inf. `dropout_p` drops
     attention probabilities as given (pass 0.0 for evaluation), like SDPA's.
 
     Runs through the torch.library ops flexgen::attention_fwd / attention_bwd
@@ -102,13 +162,22 @@ def flex_attention(
     from .variant import mod_parts, variant_key
 
     _check_inputs(query, key, value, enable_gqa)
+    _check_mods(score_mod, block_mask)
+    check_scale(scale)
     check_dropout_range(dropout_p)
+    if return_lse and return_aux is not None:
+        raise ValueError("flex_attention: pass return_aux=AuxRequest(lse=True) or return_lse=True, not both "
+                         "(return_lse is PyTorch's deprecated spelling)")
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"flex_attention: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
+    kernel_options = dict(_checked_options(kernel_options))
+    key, value = _broadcast_kv_batch(query, key, value)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
     if score_parts is None or mask_parts is None:
         return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-                                     kernel_options, dropout_p)
+                                     kernel_options, dropout_p, return_aux=return_aux)
     (score_token, score_buffers), (mask_token, mask_buffers) = score_parts, mask_parts
     variant = variant_key(score_token, mask_token, tuple(bm.BLOCK_SIZE) if bm is not None else None,
                           tuple(bm.seq_lengths) if bm is not None else None, kernel_options)
@@ -120,8 +189,11 @@ def flex_attention(
     if scale < 0:
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
-    out, lse = attention_fwd(query, key, value, *mask_tensors(bm), buffers, float(scale),
-                             variant, float(dropout_p), _dropout_rng(dropout_p))
+    want_max = return_aux is not None and bool(return_aux.max_scores)
+    out, lse, row_max = attention_fwd(query, key, value, *mask_tensors(bm), buffers, float(scale), variant,
+                                      float(dropout_p), _dropout_rng(dropout_p), want_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if want_max else None)
     return (out, lse) if return_lse else out
 
 

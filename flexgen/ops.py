@@ -1,8 +1,8 @@
 """flexgen attention as torch.library custom ops, so torch.compile(fullgraph=True) traces through it.
 
-    flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng)
-                            -> (out, lse)
-    flexgen::attention_bwd  (q, k, v, out, lse, grad_out, <8 block-mask tensors>, buffers, scale,
+    flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng,
+                             return_max) -> (out, lse, max_scores (empty unless return_max))
+    flexgen::attention_bwd  (q, k, v, out, lse, grad_out, grad_lse, <8 block-mask tensors>, buffers, scale,
                              variant, dropout_p, rng, need_q, need_k, need_v, buffer_grads)
                             -> (dq, dk, dv, [d buffer for each index in buffer_grads])
 
@@ -19,8 +19,11 @@ import torch
 from torch import Tensor
 
 from .blockmask import BlockMask
+from .codegen.options import call_options
 from .runtime import backward as _backward_pass, forward as _forward_pass
-from .variant import variant
+from .runtime.call_checks import check_block_mask_shape, check_grid, check_scale, empty_like_layout
+from .runtime.plan import make_spec
+from .variant import _VARIANTS, variant
 
 MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -52,23 +55,64 @@ def attention_fwd(
     q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
     full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
+    return_max: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     var = variant(variant_key)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                            q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
-    return _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options, **_dropout_kwargs(dropout_p, rng))
+    extra = {"max_scores": True} if return_max else {}
+    outputs = _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options,
+                                         **_dropout_kwargs(dropout_p, rng), **extra)
+    out = _in_layout_of(outputs[0], q)
+    return out, outputs[1], outputs[2] if return_max else q.new_empty(0, dtype=torch.float32)
+
+
+def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """t laid out as the fake kernels promise (like's dimension order): the launchers allocate it so; a
+    result that is not (a stand-in implementation's, say) is copied, so compiled code reading the fake
+    strides reads the right elements."""
+    if t.numel() == 0:
+        return t
+    want = empty_like_layout(like, t.shape, t.dtype)
+    if t.stride() == want.stride():
+        return t
+    return want.copy_(t)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, *mask_and_rest):
+    return_max = mask_and_rest[13]
+    check_traced_call(q, k, mask_and_rest[:8], mask_and_rest[9], mask_and_rest[10], return_max, mask_and_rest[11] > 0)
     b, h, lq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=torch.float32)
+    row_max = q.new_empty((b, h, lq) if return_max else (0,), dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty((b, h, lq), dtype=torch.float32), row_max
+
+
+def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, variant_key: str,
+                      return_max: bool = False, dropout: bool = False) -> None:
+    """What the eager call checks before any launch, checked again where torch.compile traces the op (its fake
+    kernel): the scale, the grid, the block mask against the inputs, the kernel options, and where the device
+    has an architecture (a real or fake CUDA tensor, not a meta one) the kernel's plan itself."""
+    check_scale(scale)
+    check_grid(q.shape[0], q.shape[1])
+    var = _VARIANTS.get(variant_key)
+    if var is None:  # a key not made by flex_attention (the op called directly): nothing more to check
+        return
+    bm = _block_mask(var, mask_tensors)
+    if bm is not None:
+        check_block_mask_shape(var.seq_lengths, bm.kv_num_blocks, q, k)
+    options = call_options(var.kernel_options)
+    if q.device.type == "cuda":
+        spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
+                         max_scores=return_max)
+        if bm is not None:
+            _forward_pass.check_block_mask(bm, q, k, spec)
 
 
 @torch.library.custom_op("flexgen::attention_bwd", mutates_args=())
 def attention_bwd(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Optional[Tensor],
     kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
     full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
     q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
@@ -84,8 +128,9 @@ def attention_bwd(
     wanted = tuple(names[i] for i in buffer_grads)
     dq, dk, dv, grads = _backward_pass.backward_call(
         q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
-        grad_buffers=wanted, **_dropout_kwargs(dropout_p, rng),
+        grad_buffers=wanted, grad_lse=grad_lse, **_dropout_kwargs(dropout_p, rng),
     )
+    dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), [grads[n] for n in wanted])
 
 
@@ -95,11 +140,11 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 @attention_bwd.register_fake
-def _(q, k, v, out, lse, grad_out, *rest):
+def _(q, k, v, out, lse, grad_out, grad_lse, *rest):
     buffers, need_q, need_k, need_v, buffer_grads = rest[8], rest[13], rest[14], rest[15], rest[16]
-    dkv = k.new_empty(k.shape, dtype=q.dtype)
-    return (q.new_empty(q.shape) if need_q else q.new_empty(0), dkv if need_k else q.new_empty(0),
-            dkv.new_empty(dkv.shape) if need_v else q.new_empty(0),
+    none = q.new_empty(0)
+    return (empty_like_layout(q) if need_q else none, empty_like_layout(k, dtype=q.dtype) if need_k else q.new_empty(0),
+            empty_like_layout(v, dtype=q.dtype) if need_v else q.new_empty(0),
             [q.new_empty(buffers[i].shape, dtype=torch.float32) for i in buffer_grads])  # on q's device, fp32
 
 
@@ -113,28 +158,32 @@ def _buffer_names(score, mask) -> tuple[str, ...]:
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
     masks, buffers, scale, key, dropout_p, rng = rest[:8], rest[8], rest[9], rest[10], rest[11], rest[12]
-    out, lse = output
+    out, lse, row_max = output
+    ctx.mark_non_differentiable(row_max)  # a max: no gradient, as PyTorch's max_scores has none
     ctx.save_for_backward(q, k, v, out, lse, *masks, *buffers)
     ctx.n_buffers = len(buffers)
     ctx.extra = (scale, key, dropout_p, rng)
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output (out or lse) brings None, not a tensor of zeros
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_max=None):
+    """lse is differentiable: its gradient folds into the backward's delta (runtime/backward.py)."""
     q, k, v, out, lse, *rest = ctx.saved_tensors
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
     masks, buffers = rest[:8], rest[8:]
     scale, key, dropout_p, rng = ctx.extra
     need = ctx.needs_input_grad
     need_buffers = need[11] if isinstance(need[11], (list, tuple)) else [need[11]] * ctx.n_buffers
     wanted = [i for i, n in enumerate(need_buffers) if n]
     dq, dk, dv, grads = attention_bwd(
-        q, k, v, out, lse, grad_out, *masks, list(buffers), scale, key, dropout_p, rng,
+        q, k, v, out, lse, grad_out, grad_lse, *masks, list(buffers), scale, key, dropout_p, rng,
         bool(need[0]), bool(need[1]), bool(need[2]), wanted,
     )
     by_index = dict(zip(wanted, grads))
     buffer_grads = [_like(by_index[i], buffers[i]) if i in by_index else None for i in range(len(buffers))]
     return ((dq if need[0] else None), (dk if need[1] else None), (dv if need[2] else None),
-            *([None] * 8), buffer_grads, None, None, None, None)
+            *([None] * 8), buffer_grads, None, None, None, None, None)
 
 
 def _like(grad: Tensor, buffer: Tensor) -> Tensor:

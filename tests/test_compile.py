@@ -106,11 +106,12 @@ def test_fake_kernels_shapes_and_dtypes():
         k = torch.empty(B, 2, 128, D, dtype=torch.bfloat16)
         buf = torch.empty(H, 7, dtype=torch.float16)
         masks = [None] * 8
-        out, lse = torch.ops.flexgen.attention_fwd(q, k, k, *masks, [buf], 0.1, "unused", 0.0, None)
+        out, lse, row_max = torch.ops.flexgen.attention_fwd(q, k, k, *masks, [buf], 0.1, "unused", 0.0, None, False)
+        assert row_max.numel() == 0  # max_scores only when asked for
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (B, H, L) and lse.dtype == torch.float32
         dq, dk, dv, grads = torch.ops.flexgen.attention_bwd(
-            q, k, k, out, lse, out, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
+            q, k, k, out, lse, out, None, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
         assert dq.shape == q.shape and dk.numel() == 0 and dv.shape == k.shape and dv.dtype == q.dtype
         assert len(grads) == 1 and grads[0].shape == buf.shape and grads[0].dtype == torch.float32
         assert grads[0].device == q.device
@@ -119,7 +120,7 @@ def test_fake_kernels_shapes_and_dtypes():
 def test_opcheck_on_meta():
     q, k, v = qkv()
     slopes = torch.rand(H, device=META, requires_grad=True)
-    args = (q, k, v, *([None] * 8), [slopes], 0.125, "unused", 0.0, None)
+    args = (q, k, v, *([None] * 8), [slopes], 0.125, "unused", 0.0, None, False)
     torch.library.opcheck(torch.ops.flexgen.attention_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 

@@ -36,6 +36,11 @@ def as_expr(mod, kind: str) -> Node | None:
     from ..dsl.mod import Mod
 
     if not isinstance(mod, Mod):
+        if type(mod).__name__ == "BlockMask" and hasattr(mod, "kv_num_blocks"):
+            raise TypeError(
+                f"a BlockMask was passed as {kind}_mod; pass its mask_mod (mask.mask_mod) as mask_mod= and its "
+                "BLOCK_SIZE as mask_block= (flex_attention takes the BlockMask itself as block_mask=)"
+            )
         if not (callable(mod) or isinstance(mod, str)):
             raise TypeError(f"{kind}_mod must be a Mod, an IR Node, a function or DSL text, got {type(mod).__name__}")
         from ..dsl import api as dsl_api

@@ -82,3 +82,71 @@ def spec_options(options: dict, kind: str, kinds: tuple[str, ...] | None = None,
             raise OptionError(f"option {field} is given twice, as {given_as[field]} and as {name}")
         out[field], given_as[field] = value, name
     return out
+
+
+# ---------------------------------------------------------------- flex_attention's kernel_options
+#
+# The one table of the names flex_attention's kernel_options take (the command line's --set above
+# shares the flags and the tile names). Values are checked here, before any planning; whether a tile
+# suits the chosen family is the family's check (runtime/families.py), also before anything compiles.
+
+# Forward tile (BLOCK_M query rows, BLOCK_N key rows, num_warps, num_stages) and backward tile (BLOCK_M1,
+# BLOCK_N1, num_warps1: flexgen's), under PyTorch's names, as KernelSpec fields.
+CALL_FWD_TILES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
+CALL_BWD_TILES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
+# deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod;
+# pingpong: the sm90 forward's warpgroup turns; persistent: the sm90 grids of one CTA per SM.
+CALL_FLAGS = ("deterministic", "precise_math", "pingpong", "persistent")
+CALL_KNOWN = sorted({*CALL_FWD_TILES, *CALL_BWD_TILES, *CALL_FLAGS, "family"})
+# PyTorch's FlexKernelOptions that mean nothing to flexgen's kernels (Triton knobs, the dQ-only backward
+# tile BLOCK_M2 / BLOCK_N2, TMA and backend choices, internal output flags): accepted like PyTorch, and
+# ignored with one warning per name and process.
+TORCH_IGNORED = (
+    "BACKEND", "BLOCKS_ARE_CONTIGUOUS", "BLOCK_M2", "BLOCK_N2", "FORCE_USE_FLEX_ATTENTION", "IS_DIVISIBLE",
+    "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "SAFE_HEAD_DIM", "USE_TMA", "WRITE_DQ",
+    "fwd_num_stages", "fwd_num_warps", "bwd_num_stages", "bwd_num_warps", "kpack", "matrix_instr_nonkdim",
+    "num_stages1", "waves_per_eu",
+)
+_warned_ignored: set[str] = set()
+
+
+def _suggest(name: str, known) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if not close:
+        lowered = {k.lower(): k for k in known}
+        close = [lowered[c] for c in difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def call_options(options: dict | None) -> dict:
+    """flex_attention's kernel_options checked: a name flexgen does not know is an error (with the closest
+    name), a flag must be True or False (the string "False" is not), a tile value a positive int, family
+    one of the families. PyTorch's names that flexgen ignores are dropped with a warning, once per name.
+    Returns the options flexgen uses."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"flex_attention: kernel_options must be a dict, got {type(options).__name__}")
+    out = {}
+    for name, value in options.items():
+        if name in TORCH_IGNORED:
+            if name not in _warned_ignored:
+                _warned_ignored.add(name)
+                import warnings
+
+                warnings.warn(f"flex_attention: kernel_options {name!r} is a PyTorch (Triton) option flexgen's "
+                              "kernels have no use for; it is ignored", UserWarning, stacklevel=3)
+            continue
+        if name not in CALL_KNOWN:
+            raise OptionError(f"flex_attention: unknown kernel_options {name!r}{_suggest(str(name), CALL_KNOWN + list(TORCH_IGNORED))} "
+                              f"(known: {', '.join(CALL_KNOWN)}; PyTorch's {', '.join(TORCH_IGNORED)} are accepted and ignored)")
+        if name in CALL_FLAGS:
+            if not isinstance(value, bool):
+                raise OptionError(f"flex_attention: kernel_options {name} must be True or False, got {value!r}")
+        elif name == "family":
+            if value not in _FAMILIES:
+                raise OptionError(f"flex_attention: kernel_options family={value!r}; allowed: {list(_FAMILIES)}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise OptionError(f"flex_attention: kernel_options {name}={value!r}; it must be a positive int")
+        out[name] = value
+    return out

@@ -57,10 +57,11 @@ class ParamStruct:
     def lines(self) -> tuple[Line, ...]:
         return tuple(e for e in self.entries if isinstance(e, Line))
 
-    def declaration(self, dropout: bool = False) -> str:
-        """The C struct, ModArgs last; the dropout members before it in kernels built with dropout."""
+    def declaration(self, dropout: bool = False, max_scores: bool = False) -> str:
+        """The C struct, ModArgs last; the dropout members before it in kernels built with dropout, then the
+        row-max output in forward kernels that write it."""
         out = [f"struct {self.name} {{"]
-        for entry in self.entries + (DROPOUT if dropout else ()):
+        for entry in self.entries + _optional(dropout, max_scores):
             if isinstance(entry, str):
                 out.append(f"    // {entry}")
                 continue
@@ -69,13 +70,13 @@ class ParamStruct:
         out += ["    ModArgs mod;", "};"]
         return "\n".join(out)
 
-    def field_names(self, dropout: bool = False) -> list[str]:
-        return [n for line in self.lines + (_lines(DROPOUT) if dropout else ()) for n in line.names]
+    def field_names(self, dropout: bool = False, max_scores: bool = False) -> list[str]:
+        return [n for line in self.lines + _lines(_optional(dropout, max_scores)) for n in line.names]
 
     @functools.lru_cache(maxsize=None)
-    def ctypes_type(self, mod_args_type: type, dropout: bool = False) -> type:
-        """The ctypes mirror for one ModArgs layout (and the dropout members, if built with them)."""
-        lines = self.lines + (_lines(DROPOUT) if dropout else ())
+    def ctypes_type(self, mod_args_type: type, dropout: bool = False, max_scores: bool = False) -> type:
+        """The ctypes mirror for one ModArgs layout (and the optional members the kernel was built with)."""
+        lines = self.lines + _lines(_optional(dropout, max_scores))
         fields = [(n, ctype_of(line.ctype)) for line in lines for n in line.names] + [("mod", mod_args_type)]
         return type(self.name, (ctypes.Structure,), {"_fields_": fields})
 
@@ -93,6 +94,16 @@ DROPOUT: tuple[Entry, ...] = (
     _line("unsigned", "dropout_threshold", comment="round(dropout_p * 2^32)"),
     _line("float", "dropout_scale", comment="1 / (1 - dropout_p)"),
 )
+
+# Only in forward kernels built to write max_scores (spec option "max_scores"), after any dropout members.
+MAX_SCORES: tuple[Entry, ...] = (
+    _line("float*", "max_scores", comment="(B, H, q_len): row max of the modded scores, natural units; -inf: none"),
+)
+
+
+def _optional(dropout: bool, max_scores: bool) -> tuple[Entry, ...]:
+    return (DROPOUT if dropout else ()) + (MAX_SCORES if max_scores else ())
+
 
 # The inputs (pointers each: one declaration per line) and the score scale, in both main kernels.
 _QKV = (_line("const half_bits*", "q"), _line("const half_bits*", "k"), _line("const half_bits*", "v"))

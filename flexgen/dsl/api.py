@@ -55,7 +55,17 @@ def _positional_count(fn: Callable) -> int | None:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
 
 
+def _is_block_mask(obj) -> bool:
+    """flexgen's or PyTorch's BlockMask, by its shape (this layer sits below flexgen.blockmask)."""
+    return type(obj).__name__ == "BlockMask" and hasattr(obj, "kv_num_blocks") and hasattr(obj, "BLOCK_SIZE")
+
+
 def _make(kind: str, obj: ModLike, name: str | None, specialize: bool, bindings: dict) -> Mod:
+    if _is_block_mask(obj):
+        raise TypeError(
+            f"a BlockMask was passed as {kind}_mod; a BlockMask is not a {kind}_mod: pass it as block_mask= "
+            "(flex_attention(..., block_mask=mask)), or pass its mask_mod (mask.mask_mod) where a mask_mod belongs"
+        )
     if isinstance(obj, Mod):
         if obj.kind != kind:
             raise SignatureError(f"'{obj.name}' is a {obj.kind}_mod, not a {kind}_mod")

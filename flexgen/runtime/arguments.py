@@ -12,7 +12,8 @@ from ..dsl.mod import Mod
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """The kernels read 16-byte rows: last dim contiguous, other strides and the base 16-byte aligned."""
     ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    return t if ok else t.contiguous()
+    # A fresh copy, not t.contiguous(): a contiguous view at a misaligned offset would come back as it is.
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 # Device copies of captured buffers that live elsewhere (e.g. a variant built on the CPU),

@@ -37,6 +37,7 @@ import torch
 from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments
+from .call_checks import empty_like_layout
 from .forward import LOG2E, _bh_strides, set_dropout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
@@ -68,6 +69,15 @@ def deterministic_grad_splits(splits: int, copies_per_split: int, floats_per_cop
             "smaller buffers or fewer (batch, KV head) pairs per call, or raise the limit"
         )
     return min(splits, fit)
+
+
+def fold_lse_grad(delta: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor) -> None:
+    """The lse's gradient, in place into delta. lse_i = log sum_j exp(s_ij) has d lse_i / d s_ij = P_ij, so
+    dL/ds_ij = P_ij (dP_ij - delta_i) + dLSE_i P_ij = P_ij (dP_ij - (delta_i - dLSE_i)): the kernels' own
+    formula with delta_i - dLSE_i (natural units: lse, delta and the scores the kernels differentiate are).
+    A row that saw nothing (lse = -inf, P = 0) gets nothing, even from a gradient like 2 lse of lse**2."""
+    g = grad_lse.to(device=delta.device, dtype=delta.dtype).expand_as(delta)
+    delta.sub_(torch.where(torch.isneginf(lse), torch.zeros((), device=delta.device), g))
 
 
 def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -113,23 +123,24 @@ def _int32_lists(bm):
 
 def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale: float, kernel_options,
                   needs_input_grad, grad_buffers: tuple[str, ...] = (), dropout_p: float = 0.0,
-                  philox: tuple[int, int] | None = None):
+                  philox: tuple[int, int] | None = None, grad_lse=None):
     """Gradients of flex_attention: (dq, dk, dv, buffer_grads).
 
     dq/dk/dv are None where needs_input_grad says so; buffer_grads maps each name in
     `grad_buffers` (score_mod buffers that require grad) to its gradient, fp32, in the
     buffer's shape. dropout_p and philox must be those the forward was called with.
+    grad_lse: the gradient of the returned lse, or None where nothing used it.
     """
     from ..dropout import check_dropout
 
     dropout_p, philox = check_dropout(dropout_p, philox)
     with torch.cuda.device(query.device):  # kernels launch on the current device
         return _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options,
-                         needs_input_grad, tuple(grad_buffers), dropout_p, philox)
+                         needs_input_grad, tuple(grad_buffers), dropout_p, philox, grad_lse)
 
 
 def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
-              grad_buffers, dropout_p, philox):
+              grad_buffers, dropout_p, philox, grad_lse):
     from ..cache.jit import get_kernel
     from ..codegen.cstruct import pack_mod_args
     from ..codegen.lower import lower_mods
@@ -137,7 +148,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
     q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
     o, do = kernel_ready(out), kernel_ready(grad_out.to(query.dtype))
-    lse = lse.contiguous()
+    lse = lse if lse.is_contiguous() and lse.data_ptr() % 16 == 0 else lse.clone(memory_format=torch.contiguous_format)
     batch, heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     device = q.device
@@ -164,8 +175,9 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=device)
     dq_accum = torch.empty(splits, batch, heads, q_len, d, dtype=torch.float32, device=device) if want_dq else None
     split_stride = batch * heads * q_len * d if splits > 1 else 0
-    dk = torch.empty(batch, kv_heads, kv_len, d, dtype=q.dtype, device=device) if want_dk else None
-    dv = torch.empty(batch, kv_heads, kv_len, d, dtype=q.dtype, device=device) if want_dv else None
+    # Gradients in their input's dimension order, as PyTorch's (the kernels take their strides).
+    dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), q.dtype) if want_dk else None
+    dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), q.dtype) if want_dv else None
 
     # 1. delta, and a zeroed dQ accumulator
     pre_kernel = get_kernel(pre_spec)
@@ -180,6 +192,8 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     pre.mod = empty_args
     rows_grid = (-(-q_len // pre_spec.block_m), heads, batch)
     pre_kernel.launch(rows_grid, (families.of(pre_spec).threads_per_cta(pre_spec), 1, 1), 0, stream, pre)
+    if grad_lse is not None:
+        fold_lse_grad(delta, lse, grad_lse)
 
     # 2. the main kernel
     grad_parts = None
@@ -225,7 +239,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     # 3. dQ in the input dtype
     dq = None
     if want_dq:
-        dq = torch.empty(batch, heads, q_len, d, dtype=q.dtype, device=device)
+        dq = empty_like_layout(query, (batch, heads, q_len, d))
         post_kernel = get_kernel(post_spec)
         post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
         post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()

@@ -29,6 +29,7 @@ class Call:
     score_loads_per_element: bool = False  # score_mod reads a different buffer element for every score
     tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
+    max_scores: bool = False  # a forward that also writes the row max of the scores
 
 
 # A tile table row: (max head dim, (block_m, block_n, num_warps, num_stages)); the first row whose max head
@@ -126,9 +127,32 @@ class SM80(Family):
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = min(cfg["block_n"], self.SCORE_LOAD_BLOCK_N)
         cfg.update(call.tiles)
+        if call.kind == "fwd" and call.tiles:
+            self.check_forward_tile(cfg)
         if call.kind == "bwd":  # num_warps is an upper bound; tiles shrink to divide mask blocks and fit
             cfg = bwd_tiles.fit(call.head_dim, cfg, call.mask_block, shared_memory_limit(call.arch), call.arch)
         return cfg
+
+    FWD_WARPS = (4, 8)  # the counts the tile tables and tests run
+    FWD_BLOCK_N = (16, 32, 64, 128)
+    FWD_STAGES = (1, 2)
+
+    def check_forward_tile(self, cfg: dict) -> None:
+        """The forward template's tile constraints (fwd.cu.j2's static_asserts: BLOCK_M is one or two 16-row
+        MMA tiles per warp, BLOCK_N whole 16-wide steps), checked before anything is compiled."""
+        warps = cfg["num_warps"]
+        if warps not in self.FWD_WARPS:
+            raise ValueError(f"flex_attention: kernel_options num_warps={warps}; allowed values are {self.FWD_WARPS}")
+        rows = (16 * warps, 32 * warps)
+        if cfg["block_m"] not in rows:
+            raise ValueError(f"flex_attention: kernel_options BLOCK_M={cfg['block_m']} with num_warps={warps}; "
+                             f"allowed values are {rows} (16 or 32 rows per warp) for the sm80 forward")
+        if cfg["block_n"] not in self.FWD_BLOCK_N:
+            raise ValueError(f"flex_attention: kernel_options BLOCK_N={cfg['block_n']}; allowed values are "
+                             f"{self.FWD_BLOCK_N} for the sm80 forward")
+        if cfg["num_stages"] not in self.FWD_STAGES:
+            raise ValueError(f"flex_attention: kernel_options num_stages={cfg['num_stages']}; allowed values are "
+                             f"{self.FWD_STAGES}")
 
     def shared_memory_estimate(self, spec: KernelSpec) -> int:
         """The backward's shared memory before it is compiled (the tile search's measure)."""
@@ -154,6 +178,8 @@ class SM90(Family):
     def _refusal(self, call: Call) -> str | None:
         if call.dropout:
             return "it has no dropout"
+        if call.max_scores:
+            return "it does not write max_scores"
         if call.buffer_grads:
             return "it computes no score_mod buffer gradients"
         if call.tiles:

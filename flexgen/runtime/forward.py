@@ -14,6 +14,7 @@ from ..codegen.spec import KernelSpec
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
+from .call_checks import check_block_mask_shape, empty_like_layout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 
@@ -38,12 +39,15 @@ def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, in
 
 
 def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale: float, block_mask,
-                   dropout_p: float = 0.0, philox: tuple[int, int] | None = None) -> None:
+                   dropout_p: float = 0.0, philox: tuple[int, int] | None = None, max_scores=None) -> None:
     """Run the forward kernel on torch's current stream. Inputs are validated by the caller;
     dropout_p > 0 needs a spec built with dropout."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout)()
+    writes_max = bool(spec.option("max_scores", False))
+    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max)()
+    if writes_max:
+        p.max_scores = max_scores.data_ptr()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
     p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
@@ -73,31 +77,21 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
 
 
 def check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if tuple(bm.seq_lengths) != (q_len, kv_len):
-        raise ValueError(
-            f"flex_attention: the block mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)} but the inputs "
-            f"have ({q_len}, {kv_len}); build it with create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
-        )
-    if bm.device != query.device:
-        raise ValueError(f"flex_attention: the block mask is on {bm.device} but the inputs are on {query.device}; use block_mask.to(device)")
+    check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
+    q_len = query.shape[2]
     bq, bkv = bm.BLOCK_SIZE
     if bq % spec.block_m or bkv % spec.block_n:
         raise ValueError(
             f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "
             f"({spec.block_m}, {spec.block_n}); use BLOCK_SIZE=128 or set kernel_options BLOCK_M/BLOCK_N"
         )
-    b, h = query.shape[0], query.shape[1]
-    mb, mh = bm.kv_num_blocks.shape[0], bm.kv_num_blocks.shape[1]
-    if mb not in (1, b) or mh not in (1, h):
-        raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
     if bm.kv_indices.shape[-2] < -(-q_len // bq):
         raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
 
-
 def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options,
-                 dropout_p: float = 0.0, philox: tuple[int, int] | None = None):
-    """Validated inputs -> (out, lse) through the generated forward kernel.
+                 dropout_p: float = 0.0, philox: tuple[int, int] | None = None, max_scores: bool = False):
+    """Validated inputs -> (out, lse) through the generated forward kernel; (out, lse, max_scores) with
+    max_scores=True (the row max of the modded scores, natural units, -inf where a row sees nothing).
 
     dropout_p > 0: attention dropout with the keep mask drawn from philox = (seed, offset)
     (flexgen/dropout.py); lse stays that of the un-dropped softmax."""
@@ -108,7 +102,7 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
 
     dropout_p, philox = check_dropout(dropout_p, philox)
     spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
-                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
+                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores)
     if bm is not None:
         check_block_mask(bm, query, key, spec)
     kernel = get_kernel(spec)
@@ -116,7 +110,11 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     mod_args = pack_mod_args(lower_mods(spec), buffers, params)
     q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
     b, h, lq, d = q.shape
-    out = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
+    out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
-    return out, lse
+    if not max_scores:
+        launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
+        return out, lse
+    row_max = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox, row_max)
+    return out, lse, row_max

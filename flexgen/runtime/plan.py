@@ -12,24 +12,18 @@ import functools
 
 import torch
 
+from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, CALL_KNOWN, call_options
 from ..codegen.spec import KINDS, KernelSpec
 from ..dsl.ir import Node, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# kernel_options under PyTorch's names. The forward's tile: BLOCK_M query rows, BLOCK_N key rows, num_warps,
-# num_stages (2: K and V double-buffered).
-FWD_TILE_OPTIONS = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps", "num_stages": "num_stages"}
-# The backward's tile: query rows (BLOCK_M1) per step of a KV tile of BLOCK_N1 rows; num_warps1 (flexgen's):
-# the backward's warps per CTA, at most (fewer if the tile's warp layout needs).
-BWD_TILE_OPTIONS = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "num_warps"}
-# deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod;
-# pingpong: the sm90 forward's warpgroup turns (default on); persistent: the sm90 grids of one CTA per SM
-# (default on). All but deterministic (a spec field) become spec options.
-FLAG_OPTIONS = ("deterministic", "precise_math", "pingpong", "persistent")
-KNOWN_OPTIONS = sorted(FWD_TILE_OPTIONS) + sorted(BWD_TILE_OPTIONS) + sorted(FLAG_OPTIONS) + ["family"]
-
+# kernel_options: one table, in codegen/options.py (names, value checks, PyTorch's ignored names).
+FWD_TILE_OPTIONS = CALL_FWD_TILES
+BWD_TILE_OPTIONS = CALL_BWD_TILES
+FLAG_OPTIONS = CALL_FLAGS
+KNOWN_OPTIONS = CALL_KNOWN
 
 def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | None = None, mask_expr: Node | None = None,
          *, family: str | None = None, tiles: tuple[tuple[str, int], ...] = (), dropout: bool = False,
@@ -56,7 +50,8 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
         raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
-                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block)
+                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
+                max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
                       score_expr=score_expr, mask_expr=mask_expr, grad_buffers=grad_buffers, dropout=dropout,
@@ -68,13 +63,13 @@ _plan_cached = functools.lru_cache(maxsize=4096)(_plan)
 
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False, grad_buffers: tuple[str, ...] = (),
-              mask_block: tuple[int, int] | None = None) -> KernelSpec:
+              mask_block: tuple[int, int] | None = None, max_scores: bool = False) -> KernelSpec:
     """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
-    dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients
-    and the block mask's BLOCK_SIZE."""
+    dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients,
+    the block mask's BLOCK_SIZE and whether a forward writes max_scores."""
     options = tuple(sorted((kernel_options or {}).items()))
     args = (kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
-            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block)
+            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores)
     try:
         hash(options)
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
@@ -83,19 +78,19 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
-               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block) -> KernelSpec:
+               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block, max_scores: bool = False) -> KernelSpec:
     from ..arch import current_arch
 
-    options = dict(kernel_options)
-    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
-    if unknown:
-        raise ValueError(f"flex_attention: unknown kernel_options {unknown}; known: {KNOWN_OPTIONS}")
+    options = call_options(dict(kernel_options))
     backward_tiles = bwd_tile_overrides(options)  # checked by every call, before any launch
     if kind == "fwd":
         tiles = {field: int(options[name]) for name, field in FWD_TILE_OPTIONS.items() if name in options}
     else:
         tiles = backward_tiles if kind == "bwd" else {}
-    flags = tuple(sorted((k, bool(v)) for k, v in options.items() if k in FLAG_OPTIONS and k != "deterministic"))
+    flags = [(k, bool(v)) for k, v in options.items() if k in FLAG_OPTIONS and k != "deterministic"]
+    if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
+        flags.append(("max_scores", True))
+    flags = tuple(sorted(flags))
     return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
                 family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
                 grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",

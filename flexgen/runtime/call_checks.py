@@ -1,0 +1,61 @@
+"""Checks of a flex_attention call that need no kernel and no GPU, shared by the eager call
+(attention.py) and the custom ops' fake kernels (ops.py), which torch.compile traces: both refuse
+the same calls with the same errors. Also the layout of the outputs, which both must agree on."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# gridDim.y and gridDim.z are at most 65535: the sm80 grids put heads in y and the batch in z.
+MAX_GRID_YZ = 65535
+
+
+def check_scale(scale) -> None:
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"flex_attention: scale must be a finite number, got {scale}")
+
+
+def check_grid(batch: int, heads: int) -> None:
+    """The kernels' grids hold heads and batch in gridDim.y / gridDim.z; past their limit a launch would
+    fail, so such a call is refused before it."""
+    for what, n in (("batch size", batch), ("number of query heads", heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(
+                f"flex_attention: {what} {n} is past the {MAX_GRID_YZ} the kernels' grids take (CUDA's limit of "
+                "gridDim.y and gridDim.z); split the call along that dimension"
+            )
+
+
+def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    """The mask's (Q_LEN, KV_LEN), B and H against the inputs', and its device."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if tuple(seq_lengths) != (q_len, kv_len):
+        raise ValueError(
+            f"flex_attention: the block mask was built for (Q_LEN, KV_LEN) = {tuple(seq_lengths)} but the inputs "
+            f"have ({q_len}, {kv_len}); build it with create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
+        )
+    if kv_num_blocks.device != query.device:
+        raise ValueError(f"flex_attention: the block mask is on {kv_num_blocks.device} but the inputs are on "
+                         f"{query.device}; use block_mask.to(device)")
+    b, h = query.shape[0], query.shape[1]
+    mb, mh = kv_num_blocks.shape[0], kv_num_blocks.shape[1]
+    if mb not in (1, b) or mh not in (1, h):
+        raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
+
+
+def dim_order(t: torch.Tensor) -> list[int]:
+    """t's dimensions outermost first, as its strides order them (PyTorch keeps the query's order for
+    the output): broadcast (stride 0) and size-1 dimensions outermost, the head dim always innermost
+    (the kernels write 16-byte rows)."""
+    def outer_first(i: int):
+        stride = t.stride(i) if t.shape[i] > 1 and t.stride(i) != 0 else math.inf
+        return (-stride, i)
+
+    return sorted(range(t.dim() - 1), key=outer_first) + [t.dim() - 1]
+
+
+def empty_like_layout(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An empty tensor of `shape` (default like's) laid out in like's dimension order."""
+    shape = tuple(like.shape if shape is None else shape)
+    return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=like.device)
