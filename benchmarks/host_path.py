@@ -7,7 +7,7 @@ finish long before the host issues the next one, so the host path is what is tim
 For flexgen (forward alone, forward + backward), compiled FlexAttention and SDPA: the median over five
 batches of `--calls` back-to-back calls of wall time per call (one synchronize per batch), and beside it
 the GPU time of the same calls (CUDA events around the batch), so a figure that is host-bound shows as
-wall >> GPU. `--profile` prints cProfile's top entries for flexgen's forward.
+wall >> GPU. `--profile` prints cProfile's top entries for flexgen's forward and for its forward + backward.
 """
 from __future__ import annotations
 
@@ -100,13 +100,15 @@ def main() -> None:
         print(f"  {name:16s} forward {fw:7.1f} / {fg:6.1f}    forward+backward {sw:7.1f} / {sg:6.1f}")
 
     if args.profile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.calls):
-            flexgen_fwd()
-        profiler.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        for name, fn, calls in (("forward", flexgen_fwd, args.calls), ("forward+backward", flexgen_step, args.calls // 4)):
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(calls):
+                fn()
+            profiler.disable()
+            torch.cuda.synchronize()
+            print(f"== cProfile of flexgen's {name}, {calls} calls")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

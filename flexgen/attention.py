@@ -150,7 +150,8 @@ def flex_attention(
     attention probabilities as given (pass 0.0 for evaluation), like SDPA's.
 
     Runs through the torch.library ops flexgen::attention_fwd / attention_bwd
-    (flexgen/ops.py), so torch.compile(fullgraph=True) traces through it.
+    (flexgen/ops.py), so torch.compile(fullgraph=True) traces through it; an eager call on
+    plain CUDA tensors takes the ops' twin without the dispatcher (ops._EagerAttention).
 
     >>> from flexgen import flex_attention, create_block_mask
     >>> causal = lambda b, h, q, kv: q >= kv
@@ -158,7 +159,7 @@ def flex_attention(
     >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), block_mask=mask)
     """
     from .dropout import check_dropout_range
-    from .ops import attention_fwd, mask_tensors
+    from .ops import attention_eager, attention_fwd, eager_route_ok, mask_tensors
     from .variant import mod_parts, variant_key
 
     _check_inputs(query, key, value, enable_gqa)
@@ -190,8 +191,12 @@ def flex_attention(
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
     want_max = return_aux is not None and bool(return_aux.max_scores)
-    out, lse, row_max = attention_fwd(query, key, value, *mask_tensors(bm), buffers, float(scale), variant,
-                                      float(dropout_p), _dropout_rng(dropout_p), want_max)
+    args = (mask_tensors(bm), buffers, float(scale), variant, float(dropout_p), _dropout_rng(dropout_p), want_max)
+    if eager_route_ok(query, key, value, buffers):
+        out, lse, row_max = attention_eager(query, key, value, *args)
+    else:
+        masks, *rest = args
+        out, lse, row_max = attention_fwd(query, key, value, *masks, *rest)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if want_max else None)
     return (out, lse) if return_lse else out

@@ -57,10 +57,15 @@ def attention_fwd(
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
     return_max: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    masks = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+             q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+    return _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return_max)
+
+
+def _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return_max):
     var = variant(variant_key)
     score, mask = var.bind(buffers)
-    bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                           q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
+    bm = _block_mask(var, masks)
     extra = {"max_scores": True} if return_max else {}
     outputs = _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options,
                                          **_dropout_kwargs(dropout_p, rng), **extra)
@@ -72,7 +77,7 @@ def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
     """t laid out as the fake kernels promise (like's dimension order): the launchers allocate it so; a
     result that is not (a stand-in implementation's, say) is copied, so compiled code reading the fake
     strides reads the right elements."""
-    if t.numel() == 0:
+    if t.numel() == 0 or (like.is_contiguous() and t.is_contiguous()):
         return t
     want = empty_like_layout(like, t.shape, t.dtype)
     if t.stride() == want.stride():
@@ -120,18 +125,27 @@ def attention_bwd(
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
     need_q: bool, need_k: bool, need_v: bool, buffer_grads: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    masks = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+             q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+    dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, variant_key,
+                                       dropout_p, rng, (need_q, need_k, need_v), buffer_grads)
+    return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), grads)
+
+
+def _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, variant_key, dropout_p, rng,
+                   need, buffer_grads):
+    """(dq, dk, dv, [gradient of buffers[i] for i in buffer_grads]); None for a gradient not needed."""
     var = variant(variant_key)
     score, mask = var.bind(buffers)
-    bm = _block_mask(var, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                           q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
+    bm = _block_mask(var, masks)
     names = _buffer_names(score, mask)
     wanted = tuple(names[i] for i in buffer_grads)
     dq, dk, dv, grads = _backward_pass.backward_call(
-        q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, (need_q, need_k, need_v),
+        q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, need,
         grad_buffers=wanted, grad_lse=grad_lse, **_dropout_kwargs(dropout_p, rng),
     )
     dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), [grads[n] for n in wanted])
+    return dq, dk, dv, [grads[n] for n in wanted]
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -194,3 +208,54 @@ def _like(grad: Tensor, buffer: Tensor) -> Tensor:
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- eager calls without the dispatcher
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The two ops' eager twin: the same forward and backward (`_forward`, `_backward_impl`), as an
+    autograd.Function. The ops' Python argument handling (defaults, pytrees, redispatch) costs more
+    than the rest of a small call's host path; flex_attention takes this route when nothing needs the
+    ops themselves (see `eager_route_ok`)."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v, *buffers):
+        masks, scale, key, dropout_p, rng, return_max = call
+        out, lse, row_max = _forward(q, k, v, masks, list(buffers), scale, key, dropout_p, rng, return_max)
+        ctx.mark_non_differentiable(row_max)
+        ctx.save_for_backward(q, k, v, out, lse, *buffers)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse, row_max
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_max):
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
+        if grad_out is None:  # only lse was used
+            grad_out = torch.zeros_like(out)
+        masks, scale, key, dropout_p, rng, _ = ctx.call
+        need = ctx.needs_input_grad
+        wanted = [i for i, n in enumerate(need[4:]) if n]
+        dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, key,
+                                           dropout_p, rng, tuple(bool(n) for n in need[1:4]), wanted)
+        by_index = dict(zip(wanted, grads))
+        return (None, dq, dk, dv, *(_like(by_index[i], b) if i in by_index else None for i, b in enumerate(buffers)))
+
+
+def eager_route_ok(q: Tensor, k: Tensor, v: Tensor, buffers) -> bool:
+    """True where the ops' dispatcher has nothing to do: not tracing, plain CUDA tensors (no subclass,
+    fake or meta tensor), no torch function or dispatch mode and no functorch transform active."""
+    return (not torch.compiler.is_compiling() and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and q.device.type == "cuda" and all(type(b) is Tensor for b in buffers)
+            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def attention_eager(q, k, v, masks, buffers, scale: float, variant_key: str, dropout_p: float, rng, return_max: bool):
+    """attention_fwd's result, without the dispatcher: through _EagerAttention where autograd records, else
+    the forward alone."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or any(b.requires_grad for b in buffers)):
+        return _EagerAttention.apply((tuple(masks), scale, variant_key, dropout_p, rng, return_max), q, k, v, *buffers)
+    return _forward(q, k, v, tuple(masks), list(buffers), scale, variant_key, dropout_p, rng, return_max)

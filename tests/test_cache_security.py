@@ -617,3 +617,40 @@ def test_each_compile_is_logged(cache, caplog):
     jit.clear_memory()
     get("logged")  # from disk: nothing compiled, nothing logged
     assert not [r for r in caplog.records if r.name == "flexgen.cache"]
+
+
+def test_a_new_root_claimed_by_many_threads_at_once(tmp_path, monkeypatch):
+    """Writers that find the same new, empty cache folder at once all claim it: one's marker, half
+    written, is no foreign file to the others."""
+    import threading
+
+    from flexgen.cache import safefs
+
+    root = tmp_path / "fresh"
+    root.mkdir()
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(root))
+    errors, start = [], threading.Barrier(8)
+
+    def claim():
+        start.wait()
+        try:
+            os.close(safefs.open_root(create=True))
+        except Exception as e:  # noqa: BLE001 - any error fails the test below
+            errors.append(e)
+
+    for _ in range(20):
+        for p in root.iterdir():
+            p.unlink()
+        threads = [threading.Thread(target=claim) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert safefs.is_marked(os.open(root, os.O_RDONLY | os.O_DIRECTORY))
+    # a temporary file that is not the marker's still makes the folder foreign
+    for p in root.iterdir():
+        p.unlink()
+    (root / ".notes.0123456789abcdef.tmp").write_text("mine")
+    with pytest.raises(safefs.NotAFlexgenCacheError):
+        safefs.open_root(create=True)

@@ -260,8 +260,12 @@ def test_max_scores(D, with_score_mod):
     out, aux = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm,
                                       return_aux=flexgen.AuxRequest(lse=True, max_scores=True))
     torch.cuda.synchronize()
-    plain_out, plain_lse = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, return_lse=True)
-    assert torch.equal(out, plain_out) and torch.equal(aux.lse, plain_lse)
+    # max_scores runs the sm80 forward (sm90 refuses it): beside it, the same family without max_scores
+    plain_out, plain_lse = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, return_lse=True,
+                                                  kernel_options={"family": "sm80"})
+    # the same operations; the compiler may contract them into FMAs differently around the extra max: one bf16 ulp
+    torch.testing.assert_close(out, plain_out, rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(aux.lse, plain_lse, rtol=1e-6, atol=1e-6)
     scale = 1.0 / math.sqrt(D)
     ref = masked_scores(q.double(), k.double(), v.double(), score, mask, scale)[0].amax(-1)
     base = masked_scores(q, k, v, score, mask, scale)[0].amax(-1).double()

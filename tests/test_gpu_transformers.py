@@ -24,9 +24,17 @@ def _err(got, want):
     return (got - want).abs().max().item()
 
 
+def _err_where_finite(got, want):
+    """The error over the entries that are numbers: transformers' own bf16 SDPA path gives NaN gradients
+    through fully padded rows on the GPU (seen for Llama's embedding), which cannot set the bound."""
+    d = (got - want).abs()
+    d = d[torch.isfinite(d)]
+    return d.max().item() if d.numel() else 0.0
+
+
 def _assert_as_close_as_transformers(got, own_lowp, want, what):
     scale = want.abs().max().item()
-    bound = 2 * _err(own_lowp, want) + 1e-3 * scale
+    bound = 2 * _err_where_finite(own_lowp, want) + 1e-3 * scale
     assert not torch.isnan(got).any(), what
     assert _err(got, want) <= bound, f"{what}: flexgen error {_err(got, want):.3g} > {bound:.3g}"
 

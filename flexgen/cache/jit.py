@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 from .. import __version__
-from . import nvcc, nvrtc, paths, store
+from . import nvcc, nvrtc, nvrtc_child, paths, store
 from .errors import CompilerFailure, FlexgenCompileError, KernelNotCachedError
 from .kernel import CompiledKernel
 from .lock import FileLock
@@ -32,8 +32,10 @@ def backend(name: str | None = None):
     return BACKENDS[name or paths.compiler_name()]
 
 
-def get_kernel(spec, template_dir: str | Path | None = None, compiler: str | None = None) -> CompiledKernel:
-    """The compiled kernel for `spec`, from memory, disk, or a fresh compile."""
+def get_kernel(spec, template_dir: str | Path | None = None, compiler: str | None = None, *,
+               child_process: bool = False) -> CompiledKernel:
+    """The compiled kernel for `spec`, from memory, disk, or a fresh compile. child_process: an NVRTC
+    compile runs in a child process (cache/nvrtc_child.py), for compiles started on worker threads."""
     k = (spec, template_dir, compiler)
     hit = _memory.get(k)
     if hit is not None:
@@ -44,7 +46,10 @@ def get_kernel(spec, template_dir: str | Path | None = None, compiler: str | Non
         hit = _memory.get(k)
         if hit is not None:
             return hit
-        kernel = _load_or_build(spec, template_dir, backend(compiler))
+        be = backend(compiler)
+        if child_process and be is nvrtc:
+            be = nvrtc_child
+        kernel = _load_or_build(spec, template_dir, be)
         with _memory_lock:
             _building.pop(k, None)
             return _memory.setdefault(k, kernel)

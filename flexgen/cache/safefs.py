@@ -27,6 +27,7 @@ from .errors import NotAFlexgenCacheError, UnsafeCacheError
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 MARKER = "CACHEDIR.TAG"
+_MARKER_TMP = re.compile(r"\.CACHEDIR\.TAG\.[0-9a-f]{16}\.tmp$")  # write_atomic's name for it
 MARKER_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
                "# This folder is a flexgen kernel cache, created by flexgen.\n"
                "# For information about cache directory tags see https://bford.info/cachedir/\n")
@@ -163,6 +164,18 @@ def is_marked(root_fd: int) -> bool:
     return text.decode(errors="replace") == MARKER_TEXT
 
 
+def _foreign_names(root_fd: int) -> list[str]:
+    """What in the root flexgen did not write: anything but version folders and the marker (a new root
+    being claimed by another thread or process at once shows its marker or the marker's temporary file)."""
+    def ours(e) -> bool:
+        if e.is_dir(follow_symlinks=False):
+            return bool(VERSION_NAME.match(e.name))
+        return bool(_MARKER_TMP.match(e.name)) or (e.name == MARKER and is_marked(root_fd))
+
+    with os.scandir(root_fd) as it:
+        return [e.name for e in it if not ours(e)]
+
+
 def looks_like_cache(root_fd: int) -> bool:
     """Marked by flexgen, or (a cache of an older flexgen) holding nothing but flexgen version folders."""
     if is_marked(root_fd):
@@ -211,8 +224,8 @@ def is_empty(fd: int) -> bool:
 
 def _claim(fd: int, root: Path) -> None:
     """Mark an unmarked root as flexgen's cache, if it is empty or holds only flexgen's own folders."""
-    if not looks_like_cache(fd):
-        if not is_empty(fd):
+    if not is_marked(fd):
+        if _foreign_names(fd):
             raise NotAFlexgenCacheError(
                 f"the cache folder {root} (FLEXGEN_CACHE_DIR) holds files that flexgen did not write, and no "
                 f"{MARKER} from flexgen; flexgen keeps kernels only in a folder it created. "

@@ -58,4 +58,6 @@ def dim_order(t: torch.Tensor) -> list[int]:
 def empty_like_layout(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     """An empty tensor of `shape` (default like's) laid out in like's dimension order."""
     shape = tuple(like.shape if shape is None else shape)
+    if like.is_contiguous():  # the common case, without working out the order
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
     return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=like.device)

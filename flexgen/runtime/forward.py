@@ -9,8 +9,12 @@ from __future__ import annotations
 import torch
 
 from ..blockmask import BlockMask
+from ..cache.jit import get_kernel
+from ..codegen.cstruct import pack_mod_args
+from ..codegen.lower import lower_mods
 from ..codegen.params import FWD_PARAMS
 from ..codegen.spec import KernelSpec
+from ..dropout import check_dropout, dropout_threshold
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
@@ -23,8 +27,6 @@ LOG2E = 1.4426950408889634
 
 def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
     """Fill the dropout members of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
-    from ..dropout import dropout_threshold
-
     p.philox_seed, p.philox_offset = philox
     p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
@@ -49,10 +51,10 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     if writes_max:
         p.max_scores = max_scores.data_ptr()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
-    p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
-    p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
-    p.v_stride_b, p.v_stride_h, p.v_stride_l = v.stride(0), v.stride(1), v.stride(2)
-    p.o_stride_b, p.o_stride_h, p.o_stride_l = out.stride(0), out.stride(1), out.stride(2)
+    p.q_stride_b, p.q_stride_h, p.q_stride_l, _ = q.stride()
+    p.k_stride_b, p.k_stride_h, p.k_stride_l, _ = k.stride()
+    p.v_stride_b, p.v_stride_h, p.v_stride_l, _ = v.stride()
+    p.o_stride_b, p.o_stride_h, p.o_stride_l, _ = out.stride()
     p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
     p.scale, p.scale_log2 = scale, scale * LOG2E
     if block_mask is not None:
@@ -95,11 +97,6 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
 
     dropout_p > 0: attention dropout with the keep mask drawn from philox = (seed, offset)
     (flexgen/dropout.py); lse stays that of the un-dropped softmax."""
-    from ..cache.jit import get_kernel
-    from ..codegen.cstruct import pack_mod_args
-    from ..codegen.lower import lower_mods
-    from ..dropout import check_dropout
-
     dropout_p, philox = check_dropout(dropout_p, philox)
     spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
                      mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores)

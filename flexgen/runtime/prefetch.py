@@ -3,9 +3,10 @@
 A new variant's first training step needs four kernels: the forward, and the backward's main,
 pre- and postprocess kernels. Compiled one after the other, the step waits for all four; the
 backward's three are known as soon as the forward is called with inputs that need gradients, so
-they are handed to a few worker threads then. NVRTC releases the GIL while it compiles, so the
-workers run beside the forward's own compile. Only compiling happens there: modules are loaded
-(on the launching thread) at the first launch, as for any kernel.
+they are handed to a few worker threads then, each of which runs NVRTC in a child process
+(cache/nvrtc_child.py): NVRTC on worker threads of the same process was measured slower than no
+background compile at all on the H200's host. Only compiling happens there: modules are loaded (on
+the launching thread) at the first launch, as for any kernel.
 
 A kernel that fails to compile in the background is not reported there: the backward asks
 jit.get_kernel for it again, which compiles it in the foreground and raises the error where it
@@ -43,7 +44,7 @@ def _compile_quietly(spec) -> None:
     from ..cache.jit import get_kernel
 
     try:
-        get_kernel(spec)
+        get_kernel(spec, child_process=True)
     except Exception as e:  # the backward compiles it again in the foreground and raises there
         log.debug("background compile of the %s kernel failed: %s", spec.kind, e)
 
