@@ -16,6 +16,7 @@ from flexgen.runtime import prefetch
 def hopper(monkeypatch, isolated_kernel_cache):
     """Plan as if the current device were an H200; every test starts with nothing in memory."""
     monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")
+    monkeypatch.setenv("FLEXGEN_BACKGROUND_COMPILE", "1")
     monkeypatch.setattr(prefetch, "seen", set())
     monkeypatch.setattr(prefetch, "_submitted", set())
     jit.clear_memory()
@@ -69,8 +70,8 @@ def test_one_build_per_kernel_across_threads(hopper, monkeypatch):
     assert all(k is got[0] for k in got)
 
 
-def test_background_compile_can_be_switched_off(hopper, monkeypatch):
-    monkeypatch.setenv("FLEXGEN_BACKGROUND_COMPILE", "0")
+def test_background_compile_is_off_unless_asked_for(hopper, monkeypatch):
+    monkeypatch.delenv("FLEXGEN_BACKGROUND_COMPILE")
     query = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16, device="meta")
     assert prefetch.backward_kernels(("off",), query, None, None, None, False, (), None) == []
 
@@ -81,7 +82,8 @@ def test_a_plan_that_fails_is_left_to_the_backward(hopper):
 
 
 @pytest.mark.gpu
-def test_forward_that_needs_gradients_starts_the_backward_kernels(isolated_kernel_cache):
+def test_forward_that_needs_gradients_starts_the_backward_kernels(isolated_kernel_cache, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_BACKGROUND_COMPILE", "1")
     offset = 0.25 + torch.rand(()).item()  # a variant no other test has compiled
     q, k, v = (torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     score_mod = lambda s, b, h, qi, kv: s + offset * (qi - kv)  # noqa: E731

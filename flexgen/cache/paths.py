@@ -9,9 +9,9 @@ Environment variables:
   FLEXGEN_NVCC           path of nvcc (default: the one on PATH, then /usr/local/cuda/bin)
   FLEXGEN_LOCK_TIMEOUT   seconds to wait for another process's compile of the same kernel
                          (default 300; "inf" waits forever)
-  FLEXGEN_BACKGROUND_COMPILE=0
-                         compile the backward's kernels at the first backward, not during the
-                         forward before it
+  FLEXGEN_BACKGROUND_COMPILE=1
+                         compile the backward's kernels in child processes during the forward
+                         before it (default: at the first backward; see docs/host-path.md)
   FLEXGEN_CACHE_TRUST_SHARED=1
                          load kernels from a cache that another user owns (a prebuilt, read-only
                          cache); see flexgen.cache.safefs for what is checked
@@ -70,8 +70,8 @@ def no_jit() -> bool:
 
 
 def background_compile() -> bool:
-    """FLEXGEN_BACKGROUND_COMPILE (default on): compile a call's backward kernels during its forward."""
-    return _env("FLEXGEN_BACKGROUND_COMPILE") in ("", "1", "true", "True")
+    """FLEXGEN_BACKGROUND_COMPILE=1 (default off): compile a call's backward kernels during its forward."""
+    return _flag("FLEXGEN_BACKGROUND_COMPILE")
 
 
 def trust_shared() -> bool:

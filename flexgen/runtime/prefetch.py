@@ -1,4 +1,5 @@
-"""Compile a call's backward kernels in the background while its forward compiles and runs.
+"""Compile a call's backward kernels in the background while its forward compiles and runs
+(FLEXGEN_BACKGROUND_COMPILE=1; off by default: see docs/host-path.md for what was measured).
 
 A new variant's first training step needs four kernels: the forward, and the backward's main,
 pre- and postprocess kernels. Compiled one after the other, the step waits for all four; the
