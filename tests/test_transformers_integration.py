@@ -25,16 +25,23 @@ def _gqa(q, k):
 
 
 def _reference_forward(q, k, v, score, bm, mask, scale, kernel_options, **_):
+    # lse is in float32 in the kernels' output, whatever the inputs' dtype
     out, lse = flexgen.reference_attention(q, k, v, score_mod=score, mask_mod=mask, scale=scale, return_lse=True,
                                            enable_gqa=_gqa(q, k))
     return out.to(q.dtype), lse
 
 
-def _reference_grads(q, k, v, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs, grad_buffers=(), **_):
+def _reference_grads(q, k, v, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs, grad_buffers=(),
+                     grad_lse=None, **_):
     with torch.enable_grad():
         x = [t.detach().double().requires_grad_(bool(n)) for t, n in zip((q, k, v), needs)]
-        ref = flexgen.reference_attention(*x, score_mod=score, mask_mod=mask, scale=scale, enable_gqa=_gqa(q, k))
-        grads = iter(torch.autograd.grad(ref, [t for t in x if t.requires_grad], grad_out.double()))
+        ref, ref_lse = flexgen.reference_attention(*x, score_mod=score, mask_mod=mask, scale=scale,
+                                                   enable_gqa=_gqa(q, k), return_lse=True)
+        outputs, grads_in = [ref], [grad_out.double()]
+        if grad_lse is not None:  # the lse's gradient: rows that see nothing have none
+            outputs.append(ref_lse.masked_fill(torch.isneginf(ref_lse), 0.0))
+            grads_in.append(grad_lse.double())
+        grads = iter(torch.autograd.grad(outputs, [t for t in x if t.requires_grad], grads_in))
     return (*(next(grads).to(q.dtype) if n else None for n in needs), {})
 
 
@@ -140,11 +147,36 @@ def test_compiled_model_keeps_every_attention_layer_in_the_graph(cpu_kernels):
     assert "_build_block_mask" in breaks  # the masks, built once per forward outside the graph
 
 
+def test_gpt_oss_sinks_match_transformers_eager(cpu_kernels):
+    """GPT-OSS's attention sinks (s_aux) through flexgen's differentiable lse: logits and every parameter's
+    gradient, the sinks' own included, against transformers' eager path (float32, CPU, one row padded)."""
+    import copy
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    ids, attention_mask = batch("cpu")
+    results = []
+    for impl in ("eager", "flexgen"):
+        torch.manual_seed(0)
+        model = GptOssForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32)
+        with torch.no_grad():
+            for layer in model.model.layers:  # sinks that matter: as large as the scores
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+        results.append(logits_and_grads(model.train(), ids, attention_mask))
+    (want_logits, want_grads), (logits, grads) = results
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+    assert grads.keys() == want_grads.keys() and any("sinks" in n for n in grads)
+    for n in grads:
+        torch.testing.assert_close(grads[n], want_grads[n], rtol=1e-3, atol=1e-6, msg=n)
+
+
 def test_attention_refuses_what_it_cannot_do():
     q = torch.zeros(1, 4, 16, 32, device="meta", dtype=torch.bfloat16)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        flexgen_hf.flexgen_attention_forward(module, q, q, q, None, s_aux=torch.zeros(4))
     with pytest.raises(TypeError, match="additive float mask"):
         flexgen_hf.flexgen_attention_forward(module, q, q, q, torch.zeros(1, 1, 16, 16))
 

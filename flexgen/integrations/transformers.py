@@ -106,11 +106,6 @@ def flexgen_attention_forward(
     flexgen_block_mask for, so it arrives in the BlockMask."""
     import flexgen
 
-    if s_aux is not None:
-        raise NotImplementedError(
-            "flexgen attention: attention sinks (s_aux) are not supported; they renormalise with the "
-            "log-sum-exp, which flexgen does not differentiate. Use attn_implementation='eager' or 'sdpa' for this model"
-        )
     if position_bias is not None:
         raise NotImplementedError(
             "flexgen attention: an additive position_bias tensor is not supported; use attn_implementation='sdpa' "
@@ -122,11 +117,21 @@ def flexgen_attention_forward(
         cap = float(softcap)
         # A closure over a float only: dynamo rebuilds it inside a compiled graph.
         score_mod = lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)  # noqa: E731
-    out = flexgen.flex_attention(
+    result = flexgen.flex_attention(
         query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1], dropout_p=float(dropout),
+        enable_gqa=query.shape[1] != key.shape[1], dropout_p=float(dropout), return_lse=s_aux is not None,
     )
+    out = result if s_aux is None else _with_sinks(*result, s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (GPT-OSS): one more logit per query head that takes part in the softmax and
+    adds nothing to the output, so each row keeps the share exp(lse) / (exp(lse) + exp(sink)) =
+    sigmoid(lse - sink) of its weight. lse carries a gradient, so the sinks and the scores train
+    through it. A row that sees nothing (lse = -inf) stays 0."""
+    keep = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
 
 
 def _as_block_mask(attention_mask, query, key):
