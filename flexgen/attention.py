@@ -7,12 +7,14 @@ and launching live in flexgen/runtime.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 from .blockmask import BlockMask
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
+from .dynamo_marks import assume_constant_result
 from .runtime.call_checks import check_grid, check_scale
 from .runtime.plan import DTYPES
 
@@ -98,10 +100,13 @@ def _is_block_mask(x) -> bool:
     return isinstance(x, (BlockMask, TorchBlockMask))
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _checked_options(kernel_options) -> tuple:
     """kernel_options checked (codegen/options.py), as sorted pairs; run at trace time under torch.compile,
-    so that the one warning for an option PyTorch has and flexgen ignores is Python's, not dynamo's."""
+    so that the one warning for an option PyTorch has and flexgen ignores is Python's, not dynamo's. Also
+    where the eager fallback is made: this runs for real before any trace of flex_attention reaches it."""
+    if _flex_attention_eager is None and "torch._dynamo" in sys.modules:
+        _make_eager_fallback()
     return tuple(sorted(call_options(kernel_options).items()))
 
 
@@ -220,9 +225,18 @@ def _compile_backward_early(variant_key: str, query, key, value, buffers, bm, dr
                               tuple(names[i] for i in wants), tuple(bm.BLOCK_SIZE) if bm is not None else None)
 
 
-_flex_attention_eager = torch.compiler.disable(
-    flex_attention,
-    reason="flexgen.flex_attention: a score_mod/mask_mod defined inside the compiled function captures tensors or "
+# torch.compiler.disable(flex_attention): made by _checked_options once dynamo is loaded (making it at import
+# would import dynamo, which an eager call does not need).
+_flex_attention_eager = None
+
+
+def _make_eager_fallback() -> None:
+    global _flex_attention_eager
+    _flex_attention_eager = torch.compiler.disable(flex_attention, reason=_EAGER_REASON)
+
+
+_EAGER_REASON = (
+    "flexgen.flex_attention: a score_mod/mask_mod defined inside the compiled function captures tensors or "
     "modules, which dynamo cannot hand to flexgen's tracer; define it outside (in __init__ or at module level) or "
-    "pass a flexgen Mod (flexgen.score_mod(fn) built outside) to trace it with fullgraph=True",
+    "pass a flexgen Mod (flexgen.score_mod(fn) built outside) to trace it with fullgraph=True"
 )

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._dynamo.comptime import comptime
 
 from .dsl.mod import Mod, mod_for_token
+from .dynamo_marks import assume_constant_result
 
 # Steps from a function to a tensor it captures: transformers' masks nest four closures and a tuple deep.
 _PATH_DEPTH = 8
@@ -81,14 +81,14 @@ def _bound(func, owner):
     return func if owner is None else types.MethodType(func, owner)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _function_token(kind: str, func, owner, ident: tuple) -> str:
     """`ident`: ids of what the function captures, only so that dynamo guards on them."""
     mod = _traced(_bound(func, owner), kind)
     return "" if mod is None else mod.token
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
     """For each buffer of the function's Mod, how to reach the tensor from it (see _follow)."""
     fn = _bound(func, owner)
@@ -235,6 +235,8 @@ def _compiled_parts(fn, kind: str):
     except AttributeError:
         ident = ()
         site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"
+        from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
+
         comptime(_check_rebuildable)
         if not _REBUILDABLE[site]:
             return None
@@ -278,7 +280,7 @@ _VARIANTS: "OrderedDict[str, Variant]" = OrderedDict()
 _MAX_VARIANTS = 4096
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def variant_key(score_token: str, mask_token: str, block_size, seq_lengths, kernel_options) -> str:
     """The key the ops carry; registers what it stands for."""
     options = tuple(sorted((kernel_options or {}).items()))
