@@ -12,6 +12,7 @@ import sys
 import torch
 
 from .blockmask import BlockMask
+from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
@@ -188,7 +189,7 @@ def flex_attention(
     variant = variant_key(score_token, mask_token, tuple(bm.BLOCK_SIZE) if bm is not None else None,
                           tuple(bm.seq_lengths) if bm is not None else None, kernel_options)
     buffers = [*score_buffers, *mask_buffers]
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and background_compile():
         _compile_backward_early(variant, query, key, value, buffers, bm, dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
