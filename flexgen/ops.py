@@ -194,10 +194,15 @@ def _backward(ctx, grad_out, grad_lse, grad_max=None):
         q, k, v, out, lse, grad_out, grad_lse, *masks, list(buffers), scale, key, dropout_p, rng,
         bool(need[0]), bool(need[1]), bool(need[2]), wanted,
     )
-    by_index = dict(zip(wanted, grads))
-    buffer_grads = [_like(by_index[i], buffers[i]) if i in by_index else None for i in range(len(buffers))]
     return ((dq if need[0] else None), (dk if need[1] else None), (dv if need[2] else None),
-            *([None] * 8), buffer_grads, None, None, None, None, None)
+            *([None] * 8), _buffer_grads(wanted, grads, buffers), None, None, None, None, None)
+
+
+def _buffer_grads(wanted: list[int], grads, buffers) -> list:
+    """Each buffer's gradient (grads holds those of buffers[i] for i in wanted) in the buffer's device and
+    dtype; None for a buffer that needs none."""
+    by_index = dict(zip(wanted, grads))
+    return [_like(by_index[i], b) if i in by_index else None for i, b in enumerate(buffers)]
 
 
 def _like(grad: Tensor, buffer: Tensor) -> Tensor:
@@ -239,8 +244,7 @@ class _EagerAttention(torch.autograd.Function):
         wanted = [i for i, n in enumerate(need[4:]) if n]
         dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, key,
                                            dropout_p, rng, tuple(bool(n) for n in need[1:4]), wanted)
-        by_index = dict(zip(wanted, grads))
-        return (None, dq, dk, dv, *(_like(by_index[i], b) if i in by_index else None for i, b in enumerate(buffers)))
+        return (None, dq, dk, dv, *_buffer_grads(wanted, grads, buffers))
 
 
 def eager_route_ok(q: Tensor, k: Tensor, v: Tensor, buffers) -> bool:

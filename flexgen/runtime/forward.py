@@ -90,6 +90,7 @@ def check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
     if bm.kv_indices.shape[-2] < -(-q_len // bq):
         raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
 
+
 def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options,
                  dropout_p: float = 0.0, philox: tuple[int, int] | None = None, max_scores: bool = False):
     """Validated inputs -> (out, lse) through the generated forward kernel; (out, lse, max_scores) with

@@ -12,18 +12,15 @@ import functools
 
 import torch
 
-from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, CALL_KNOWN, call_options
+from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, call_options
 from ..codegen.spec import KINDS, KernelSpec
 from ..dsl.ir import Node, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# kernel_options: one table, in codegen/options.py (names, value checks, PyTorch's ignored names).
-FWD_TILE_OPTIONS = CALL_FWD_TILES
-BWD_TILE_OPTIONS = CALL_BWD_TILES
-FLAG_OPTIONS = CALL_FLAGS
-KNOWN_OPTIONS = CALL_KNOWN
+# kernel_options come checked from codegen/options.py's one table (names, values, PyTorch's ignored names).
+
 
 def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | None = None, mask_expr: Node | None = None,
          *, family: str | None = None, tiles: tuple[tuple[str, int], ...] = (), dropout: bool = False,
@@ -84,10 +81,10 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
     options = call_options(dict(kernel_options))
     backward_tiles = bwd_tile_overrides(options)  # checked by every call, before any launch
     if kind == "fwd":
-        tiles = {field: int(options[name]) for name, field in FWD_TILE_OPTIONS.items() if name in options}
+        tiles = {field: int(options[name]) for name, field in CALL_FWD_TILES.items() if name in options}
     else:
         tiles = backward_tiles if kind == "bwd" else {}
-    flags = [(k, bool(v)) for k, v in options.items() if k in FLAG_OPTIONS and k != "deterministic"]
+    flags = [(k, bool(v)) for k, v in options.items() if k in CALL_FLAGS and k != "deterministic"]
     if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
         flags.append(("max_scores", True))
     flags = tuple(sorted(flags))
@@ -104,7 +101,7 @@ def bwd_tile_overrides(kernel_options: dict | None) -> dict:
     """kernel_options BLOCK_M1 / BLOCK_N1 / num_warps1 as backward tile fields."""
     options = kernel_options or {}
     out = {}
-    for name, field in BWD_TILE_OPTIONS.items():
+    for name, field in CALL_BWD_TILES.items():
         if name not in options:
             continue
         allowed = (16, 32, 64, 128, 256) if field != "num_warps" else (1, 2, 4, 8, 16)
