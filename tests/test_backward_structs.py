@@ -71,6 +71,11 @@ def _fits(spec, kernel=None) -> bool:
     return estimate <= shared_memory_limit(spec.arch) and (kernel is None or shared_memory_bytes(kernel) == estimate)
 
 
+def _host_params(spec, mod_args_type, dropout=False):
+    """The launcher's ctypes mirror of the kernel's BwdParams (with TMA descriptors in the sm90 family's)."""
+    return BWD_PARAMS.ctypes_type(mod_args_type, dropout, tensor_maps=families.of(spec).tensor_maps)
+
+
 @pytest.mark.parametrize("arch,head_dim", [("sm_80", 64), ("sm_90a", 64), ("sm_90a", 128)])
 @pytest.mark.parametrize("name", list(_variants()))
 def test_bwd_struct_size_and_no_spills(name, arch, head_dim):
@@ -78,7 +83,7 @@ def test_bwd_struct_size_and_no_spills(name, arch, head_dim):
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
-    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
+    params = _host_params(spec, _mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert ctypes.alignment(params) == 8
 
@@ -103,7 +108,7 @@ def test_bwd_small_mask_blocks_and_deterministic(mask_block):
         assert mask_block[0] % spec.block_m == 0 and mask_block[1] % spec.block_n == 0
         kernel = jit.get_kernel(spec)
         assert not has_spills(kernel.resources), f"{mask_block} det={det}: {kernel.resources}"
-        params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
+        params = _host_params(spec, _mod_args_type(spec, score, mask, grads))
         assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
 
 
@@ -117,7 +122,7 @@ def test_deterministic_buffer_grads_compile_without_spills(name, arch, head_dim)
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch, deterministic=True)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"deterministic {name} D={head_dim} on {arch} spills: {kernel.resources}"
-    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads))
+    params = _host_params(spec, _mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     src = kernel.source
     for text in ("long long shift;", "atomicAdd(addr + shift, sum);", "__syncwarp();",
@@ -204,7 +209,7 @@ def test_bwd_dropout_struct_size_and_no_spills(name, head_dim, arch):
     kernel = jit.get_kernel(spec)
     assert "dropout_keep_bits" in kernel.source
     assert not has_spills(kernel.resources), f"dropout {name} D={head_dim} on {arch} spills: {kernel.resources}"
-    params = BWD_PARAMS.ctypes_type(_mod_args_type(spec, score, mask, grads), True)
+    params = _host_params(spec, _mod_args_type(spec, score, mask, grads), True)
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert _fits(spec, kernel)
 

@@ -3,9 +3,9 @@ Gemma2 (softcap, sliding window 16 over 64 tokens), bf16, one row left-padded.
 
 Tolerance: bf16 against transformers' own path in bf16 would compare two rounding patterns, so both
 are measured against the float32 run of transformers' own path (SDPA for Llama; eager for Gemma2,
-which has no SDPA path since SDPA has no softcap), with the same weights. flexgen's bf16 error must
-stay within 2x transformers' own bf16 error plus a small floor: the kernels keep fp32 accumulators
-as SDPA's do, so their rounding error is of the same size, not smaller."""
+which has no SDPA path since SDPA has no softcap), with the same weights. flexgen's bf16 error (a norm over
+each tensor) must stay within 2x the error of transformers' eager path in bf16 plus a small floor: the
+kernels keep fp32 accumulators, so their rounding error is of the same size, not smaller."""
 from __future__ import annotations
 
 import pytest
@@ -21,21 +21,15 @@ DEV = "cuda"
 
 
 def _err(got, want):
-    return (got - want).abs().max().item()
-
-
-def _err_where_finite(got, want):
-    """The error over the entries that are numbers: transformers' own bf16 SDPA path gives NaN gradients
-    through fully padded rows on the GPU (seen for Llama's embedding), which cannot set the bound."""
-    d = (got - want).abs()
-    d = d[torch.isfinite(d)]
-    return d.max().item() if d.numel() else 0.0
+    """The error as a norm over the whole tensor: a max over single entries swings with one rounding step
+    (a layer-norm weight's gradient sums over every token), the norm is stable from run to run."""
+    return (got.double() - want.double()).norm().item()
 
 
 def _assert_as_close_as_transformers(got, own_lowp, want, what):
-    scale = want.abs().max().item()
-    bound = 2 * _err_where_finite(own_lowp, want) + 1e-3 * scale
+    bound = 2 * _err(own_lowp, want) + 1e-3 * want.double().norm().item()
     assert not torch.isnan(got).any(), what
+    assert not torch.isnan(own_lowp).any(), f"{what}: transformers' own bf16 run gave NaN; it cannot set the bound"
     assert _err(got, want) <= bound, f"{what}: flexgen error {_err(got, want):.3g} > {bound:.3g}"
 
 
@@ -47,7 +41,9 @@ def test_bf16_model_matches_transformers(isolated_kernel_cache, name, head_dim, 
     flexgen_hf.register()
     ids, attention_mask = batch(DEV)
     want = logits_and_grads(build(name, head_dim, REFERENCE_IMPL[name], torch.float32, DEV), ids, attention_mask)
-    own = logits_and_grads(build(name, head_dim, REFERENCE_IMPL[name], torch.bfloat16, DEV), ids, attention_mask)
+    # transformers' own bf16 error, from its eager path: its bf16 SDPA path gives NaN gradients through the
+    # padded row on the GPU (every q_proj gradient of the Llama), which cannot set a bound.
+    own = logits_and_grads(build(name, head_dim, "eager", torch.bfloat16, DEV), ids, attention_mask)
     model = build(name, head_dim, "flexgen", torch.bfloat16, DEV)
     if compiled:
         torch._dynamo.reset()

@@ -11,6 +11,7 @@ import pytest
 
 from flexgen.codegen.params import DROPOUT, PARAM_STRUCTS
 from flexgen.codegen.render import render
+from flexgen.runtime import families
 from flexgen.runtime.plan import plan
 
 needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cupy_backends") is None, reason="NVRTC (cupy) is not installed")
@@ -23,28 +24,44 @@ class ModArgs(ctypes.Structure):
     _fields_ = [("cap", ctypes.c_float), ("table", ctypes.c_void_p), ("stride", ctypes.c_int64), ("flag", ctypes.c_int32)]
 
 
-CASES = [(name, dropout) for name in PARAM_STRUCTS for dropout in ((False, True) if name in ("FwdParams", "BwdParams") else (False,))]
+CASES = [(name, dropout, False) for name in PARAM_STRUCTS
+         for dropout in ((False, True) if name in ("FwdParams", "BwdParams") else (False,))]
+CASES += [("FwdParams", False, True), ("BwdParams", False, True)]  # the sm90 kernels', with TMA descriptors
+
+
+def _tensor_map_c() -> str:
+    """The TensorMap declaration of templates/sm90/tma.cuh."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "flexgen/templates/sm90/tma.cuh").read_text()
+    m = re.search(r"struct __align__\(64\) TensorMap \{[^}]*\};", text)
+    assert m, "tma.cuh no longer declares TensorMap"
+    return m.group(0)
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("name,dropout", CASES, ids=str)
-def test_c_layout_is_the_ctypes_layout(name, dropout):
+@pytest.mark.parametrize("name,dropout,tensor_maps", CASES, ids=str)
+def test_c_layout_is_the_ctypes_layout(name, dropout, tensor_maps):
     from flexgen.cache import nvrtc
 
     struct = PARAM_STRUCTS[name]
-    host = struct.ctypes_type(ModArgs, dropout)
-    members = [n for n, _ in host._fields_]
-    assert members[-1] == "mod" and members[:-1] == struct.field_names(dropout)
+    host = struct.ctypes_type(ModArgs, dropout, tensor_maps=tensor_maps)
+    members = [n for n, _ in host._fields_ if n != "_tail"]
+    assert members[-1] == "mod" and members[:-1] == struct.field_names(dropout, tensor_maps=tensor_maps)
     # (+ 1: a zero-initialised constant has no initializer in the PTX)
     probes = [f'extern "C" __device__ const unsigned long long probe_{n} = __builtin_offsetof({name}, {n}) + 1;'
               for n in members]
     probes += [f'extern "C" __device__ const unsigned long long probe_sizeof = sizeof({name}) + 1;',
                f'extern "C" __device__ const unsigned long long probe_alignof = alignof({name}) + 1;']
-    source = "\n".join(["typedef unsigned short half_bits;", MOD_ARGS_C, struct.declaration(dropout), *probes])
+    source = "\n".join(["typedef unsigned short half_bits;", _tensor_map_c(), MOD_ARGS_C,
+                        struct.declaration(dropout, tensor_maps=tensor_maps), *probes])
     ptx = nvrtc.ptx(source, ["--gpu-architecture=sm_80", "-std=c++17", "-default-device"], name="params.cu")
     device = {m.group(1): int(m.group(2)) - 1 for m in re.finditer(r"probe_(\w+)\s*=\s*(\d+)", ptx)}
     assert {n: device[n] for n in members} == {n: getattr(host, n).offset for n in members}
-    assert (device["sizeof"], device["alignof"]) == (ctypes.sizeof(host), ctypes.alignment(host))
+    # The launch copies sizeof(struct) bytes from the host mirror: the sizes must agree (with descriptors, the
+    # mirror's tail pads to the C struct's 64-byte alignment, which ctypes cannot express).
+    assert device["sizeof"] == ctypes.sizeof(host)
+    assert device["alignof"] == (64 if tensor_maps else ctypes.alignment(host))
 
 
 def test_dropout_members_come_last_and_only_when_asked():
@@ -64,4 +81,5 @@ def test_every_template_declares_its_struct_from_the_list(kind, family, struct):
     for dropout in ((False, True) if family == "sm80" and kind in ("fwd", "bwd") else (False,)):
         source = render(plan(kind, "sm_90a", 128, "bf16", family=family, dropout=dropout))
         assert source.count(f"struct {struct} {{") == 1
-        assert PARAM_STRUCTS[struct].declaration(dropout) in source
+        tensor_maps = kind in ("fwd", "bwd") and families.named(family).tensor_maps
+        assert PARAM_STRUCTS[struct].declaration(dropout, tensor_maps=tensor_maps) in source

@@ -62,7 +62,7 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     params = {**(mask.params if mask else {}), **(score.params if score else {})}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
     p = re.search(rf"\.param\s+\.align\s+\d+\s+\.b8\s+{spec.entry_name}_param_0\[(\d+)\]", kernel.ptx)
-    assert p and int(p.group(1)) == ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args)))
+    assert p and int(p.group(1)) == ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args), tensor_maps=True))
 
 
 @needs_nvrtc

@@ -28,6 +28,8 @@ class ModArgsError(ValueError):
 def ctype_of(ctype: str):
     if ctype.endswith("*"):
         return ctypes.c_void_p
+    if ctype == "TensorMap":  # templates/sm90/tma.cuh: 128 opaque bytes (aligned by ParamStruct.ctypes_type)
+        return ctypes.c_uint64 * 16
     return _CTYPES[ctype]
 
 

@@ -52,16 +52,26 @@ def _mask_lists(lists: str, by: str, about: tuple[str, ...]) -> tuple[Entry, ...
 class ParamStruct:
     name: str
     entries: tuple[Entry, ...]
+    map_names: tuple[str, ...] = ()  # its TMA descriptors, in kernels built with tensor_maps
+
+    def _maps(self, tensor_maps: bool) -> tuple[Entry, ...]:
+        """TMA descriptors (CUtensorMap: 128 opaque bytes, 64-byte aligned), first, so that they sit at aligned
+        offsets in the host mirror too; only in kernels whose tiles the copy engine loads (runtime/families.py)."""
+        if not tensor_maps:
+            return ()
+        return ("TMA descriptors (runtime/tensor_maps.py): dims (D, L, H, B), box 64 x the tile's rows.",
+                _line("TensorMap", *self.map_names))
 
     @property
     def lines(self) -> tuple[Line, ...]:
         return tuple(e for e in self.entries if isinstance(e, Line))
 
-    def declaration(self, dropout: bool = False, max_scores: bool = False) -> str:
+    def declaration(self, dropout: bool = False, max_scores: bool = False, tensor_maps: bool = False) -> str:
         """The C struct, ModArgs last; the dropout members before it in kernels built with dropout, then the
-        row-max output in forward kernels that write it."""
+        row-max output in forward kernels that write it. With tensor_maps, the TMA descriptors come first
+        (templates/sm90/tma.cuh declares their type)."""
         out = [f"struct {self.name} {{"]
-        for entry in self.entries + _optional(dropout, max_scores):
+        for entry in self._maps(tensor_maps) + self.entries + _optional(dropout, max_scores):
             if isinstance(entry, str):
                 out.append(f"    // {entry}")
                 continue
@@ -70,15 +80,22 @@ class ParamStruct:
         out += ["    ModArgs mod;", "};"]
         return "\n".join(out)
 
-    def field_names(self, dropout: bool = False, max_scores: bool = False) -> list[str]:
-        return [n for line in self.lines + _lines(_optional(dropout, max_scores)) for n in line.names]
+    def field_names(self, dropout: bool = False, max_scores: bool = False, tensor_maps: bool = False) -> list[str]:
+        lines = _lines(self._maps(tensor_maps)) + self.lines + _lines(_optional(dropout, max_scores))
+        return [n for line in lines for n in line.names]
 
     @functools.lru_cache(maxsize=None)
-    def ctypes_type(self, mod_args_type: type, dropout: bool = False, max_scores: bool = False) -> type:
+    def ctypes_type(self, mod_args_type: type, dropout: bool = False, max_scores: bool = False,
+                    tensor_maps: bool = False) -> type:
         """The ctypes mirror for one ModArgs layout (and the optional members the kernel was built with)."""
-        lines = self.lines + _lines(_optional(dropout, max_scores))
+        lines = _lines(self._maps(tensor_maps)) + self.lines + _lines(_optional(dropout, max_scores))
         fields = [(n, ctype_of(line.ctype)) for line in lines for n in line.names] + [("mod", mod_args_type)]
-        return type(self.name, (ctypes.Structure,), {"_fields_": fields})
+        struct = type(self.name, (ctypes.Structure,), {"_fields_": fields})
+        if tensor_maps and ctypes.sizeof(struct) % TENSOR_MAP_ALIGN:
+            # C pads a struct holding 64-byte-aligned members to a multiple of 64; the launch copies that many bytes.
+            pad = TENSOR_MAP_ALIGN - ctypes.sizeof(struct) % TENSOR_MAP_ALIGN
+            struct = type(self.name, (ctypes.Structure,), {"_fields_": fields + [("_tail", ctypes.c_uint8 * pad)]})
+        return struct
 
 
 def _lines(entries: tuple[Entry, ...]) -> tuple[Line, ...]:
@@ -99,6 +116,9 @@ DROPOUT: tuple[Entry, ...] = (
 MAX_SCORES: tuple[Entry, ...] = (
     _line("float*", "max_scores", comment="(B, H, q_len): row max of the modded scores, natural units; -inf: none"),
 )
+
+
+TENSOR_MAP_ALIGN = 64  # alignof(TensorMap), templates/sm90/tma.cuh
 
 
 def _optional(dropout: bool, max_scores: bool) -> tuple[Entry, ...]:
@@ -126,7 +146,7 @@ FWD_PARAMS = ParamStruct("FwdParams", (
     _line("int", "head_chunk", comment="sm90: (batch, head) pairs whose tiles interleave (their K/V fit in L2)"),
     _line("const int*", "m_order", comment="sm90: query tiles heaviest first (null: later ones are heavier)"),
     _line("int*", "tile_counter", comment="sm90: work tiles drawn so far; zero between launches"),
-))
+), map_names=("q_map", "k_map", "v_map"))
 
 # The main backward kernel's parameter (both families).
 BWD_PARAMS = ParamStruct("BwdParams", (
@@ -152,7 +172,7 @@ BWD_PARAMS = ParamStruct("BwdParams", (
     _line("int", "num_kv_tiles", comment="CTA x handles KV tiles x, x + gridDim.x, ... (one, unless deterministic)"),
     _line("int", "persistent", comment="sm90: a 1-D grid; CTA x walks work tiles x, x + gridDim.x, ... of"),
     _line("int", "batch", "kv_heads", comment="  (KV tile, KV head, batch), the KV tile fastest"),
-))
+), map_names=("q_map", "k_map", "v_map", "do_map"))
 
 # sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O), and a zeroed dQ accumulator.
 BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (

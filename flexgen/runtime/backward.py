@@ -42,6 +42,7 @@ from .forward import LOG2E, _bh_strides, set_dropout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .schedule import sm_count
+from .tensor_maps import tile_map
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
     """Deterministic mode: KV-tile CTAs per (batch, KV head), about two waves of the GPU."""
@@ -204,7 +205,11 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
     kernel = get_kernel(spec)
-    p = BWD_PARAMS.ctypes_type(type(mod_args), spec.dropout)()
+    family = families.of(spec)
+    p = BWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, tensor_maps=family.tensor_maps)()
+    if family.tensor_maps:
+        p.q_map, p.do_map = tile_map(q, spec.block_m), tile_map(do, spec.block_m)
+        p.k_map, p.v_map = tile_map(k, spec.block_n), tile_map(v, spec.block_n)
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
@@ -229,7 +234,6 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     p.batch, p.kv_heads = batch, kv_heads
-    family = families.of(spec)
     grid = family.backward_grid(spec, p, k, num_kv_tiles, splits)
     kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream, p)
     if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory

@@ -47,6 +47,7 @@ class Family:
     head_dims: tuple[int, ...]
     dtypes: tuple[str, ...] = ("bf16", "fp16")
     producer_threads = 0  # threads beside the num_warps consumer warps of the main kernels
+    tensor_maps = False  # its fwd and bwd kernels load tiles with TMA: their params carry the maps (codegen/params.py)
 
     def arch_refusal(self, arch: str) -> str | None:
         """Why this family's kernels do not run on `arch` (None: they do)."""
@@ -168,6 +169,7 @@ class SM90(Family):
     kinds = ("fwd", "bwd")
     head_dims = (64, 128)
     producer_threads = 128
+    tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step

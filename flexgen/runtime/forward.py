@@ -21,6 +21,7 @@ from .arguments import kernel_ready, mod_arguments
 from .call_checks import check_block_mask_shape, empty_like_layout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
+from .tensor_maps import tile_map
 
 LOG2E = 1.4426950408889634
 
@@ -47,7 +48,10 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     writes_max = bool(spec.option("max_scores", False))
-    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max)()
+    family = families.of(spec)
+    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max, family.tensor_maps)()
+    if family.tensor_maps:
+        p.q_map, p.k_map, p.v_map = tile_map(q, spec.block_m), tile_map(k, spec.block_n), tile_map(v, spec.block_n)
     if writes_max:
         p.max_scores = max_scores.data_ptr()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
@@ -73,7 +77,6 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     p.mod = mod_args
     p.batch = batch
     stream = torch.cuda.current_stream(q.device)
-    family = families.of(spec)
     grid = family.forward_grid(spec, p, q, k, block_mask, stream)
     kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream.cuda_stream, p)
 

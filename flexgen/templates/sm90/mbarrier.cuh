@@ -18,12 +18,6 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(mbar_addr(bar)) : "memory");
 }
 
-// One arrival made by the hardware once every cp.async this thread issued so far has landed.
-// .noinc: the arrival counts against the barrier's expected count (set at init), not on top of it.
-__device__ __forceinline__ void mbar_arrive_on_cp_async(unsigned long long* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(mbar_addr(bar)) : "memory");
-}
-
 // Blocks until the phase of the given parity has completed (acquire semantics).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     asm volatile(

@@ -1,7 +1,6 @@
 // Shared-memory tiles of the sm90 kernels (forward and backward): matrix descriptors of the
-// 128-byte-swizzled layout (wgmma.cuh: sw128_offset, 64-column panels), the producer warpgroup's
-// tile copy, and the hand-offs between producer and consumers. Needs D and PRODUCER_THREADS from the
-// including kernel, wgmma.cuh, mbarrier.cuh, common/numeric.cuh and common/cp_async.cuh.
+// 128-byte-swizzled layout (wgmma.cuh: sw128_offset, 64-column panels), the hand-offs between producer
+// and consumers, and bulk stores. Needs wgmma.cuh and mbarrier.cuh. (Tiles are loaded by TMA: tma.cuh.)
 #pragma once
 
 constexpr int PANEL_ROW_BYTES = 128;  // one row of a 64-column panel
@@ -33,34 +32,11 @@ __device__ __forceinline__ unsigned long long mnmajor_desc(unsigned tile, int ti
 }
 constexpr unsigned MN_STEP_BYTES = 16 * PANEL_ROW_BYTES;
 
-// ---------------------------------------------------------------- tile movement (the producer warpgroup)
-// ROWS x D tile, global (row stride `stride_l`) -> shared sw128 layout, copied by the 128 threads of
-// the producer warpgroup (`ptid` = 0..127); rows >= len read as zeros (zero V rows keep 0 * garbage
-// out of O). Rolled by 4: the producer has few registers.
-template <int ROWS>
-__device__ __forceinline__ void load_tile(half_bits* dst, const half_bits* src, long long stride_l, int row0, int len,
-                                          int ptid) {
-    constexpr int CHUNKS_PER_ROW = D / 8;
-    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-    static_assert(CHUNKS % PRODUCER_THREADS == 0, "every producer thread copies the same number of 16-byte chunks");
-    #pragma unroll 4
-    for (int it = 0; it < CHUNKS / PRODUCER_THREADS; ++it) {
-        const int c = it * PRODUCER_THREADS + ptid;
-        const int r = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
-        const bool inside = row0 + r < len;
-        cp_async_16(dst + sw128_offset(r, col, ROWS), src + (inside ? (long long)(row0 + r) * stride_l : 0) + col,
-                    inside ? 16 : 0);
-    }
-}
-
 // ---------------------------------------------------------------- hand-offs
-// cp.async wrote through the generic proxy; wgmma reads through the async proxy. The tile's bytes
-// are visible to this thread (the barrier's acquire); the proxy fence extends that to its wgmmas.
-// (Measured on the H200: the fence costs nothing visible, 403 vs 401 TFLOP/s without it.)
-__device__ __forceinline__ void make_visible_to_wgmma() {
-    fence_proxy_async_shared();
-    __syncwarp();  // the warp is converged again before the .aligned wgmma instructions
-}
+// After a wait on a `full` barrier: the copy engine wrote the tile through the async proxy, which wgmma
+// reads through too, and the barrier's acquire orders the two, so no proxy fence is needed. The warp
+// converges again (lanes leave the barrier's wait loop apart) before the .aligned wgmma instructions.
+__device__ __forceinline__ void converge_for_wgmma() { __syncwarp(); }
 
 // One arrival per consumer warp on an `empty` barrier: this warp is done with the tile.
 __device__ __forceinline__ void release(unsigned long long* empty) {

@@ -1,0 +1,43 @@
+"""Host side of the TMA descriptors (runtime/tensor_maps.py): what is handed to cuTensorMapEncodeTiled for
+each input layout, and the refusals that come before the driver is called. The encoded maps are exercised
+by every sm90 forward test on the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen.runtime.tensor_maps import BOX_COLUMNS, TensorMapError, encode_args, tile_map
+
+
+def test_contiguous_layout_gives_innermost_first_dims_and_byte_strides():
+    t = torch.empty(2, 3, 100, 128, dtype=torch.bfloat16)
+    dims, strides, box = encode_args(t, 128)
+    assert dims == (128, 100, 3, 2)
+    assert strides == (256, 256 * 100, 256 * 100 * 3)
+    assert box == (BOX_COLUMNS, 128, 1, 1)
+
+
+def test_sequence_major_layout_keeps_its_strides():
+    # (B, L, H, D) memory seen as (B, H, L, D): a permuted view, as transformers passes.
+    t = torch.empty(2, 50, 4, 64, dtype=torch.float16).transpose(1, 2)
+    dims, strides, _ = encode_args(t, 64)
+    assert dims == (64, 50, 4, 2)
+    assert strides == (4 * 64 * 2, 64 * 2, 50 * 4 * 64 * 2)
+
+
+def test_size_one_dims_get_valid_strides_and_broadcast_stays_zero():
+    base = torch.empty(1, 1, 10, 64, dtype=torch.bfloat16)
+    # A size-1 dim may report any stride (here 1, not a multiple of 16 bytes): it is replaced.
+    odd = base.as_strided((1, 1, 10, 64), (1, 1, 64, 1))
+    dims, strides, _ = encode_args(odd, 64)
+    assert dims == (64, 10, 1, 1) and strides == (128, 1280, 1280)
+    wide = base.expand(3, 1, 10, 64)  # a K/V batch of 1 broadcast over the query batch
+    assert encode_args(wide, 64)[1][2] == 0
+
+
+def test_refusals_come_before_the_driver():
+    with pytest.raises(TensorMapError, match="float16 and bfloat16"):
+        tile_map(torch.empty(1, 1, 8, 64), 64)
+    rows_136_bytes_apart = torch.empty(1, 1, 8, 68, dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(TensorMapError, match="16-byte aligned"):
+        tile_map(rows_136_bytes_apart, 64)
