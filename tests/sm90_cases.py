@@ -31,3 +31,19 @@ def is_hopper() -> bool:
 
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the sm90 templates need a Hopper (sm_90) GPU")
+
+
+# ptxas warnings that leave a kernel correct but slow: C7513 / C7512, the wgmmas serialised (a branch around one,
+# or accumulators that do not fit); C7508, setmaxnreg ignored.
+SLOW_BUILD_WARNINGS = ("C7513", "C7512", "C7508")
+
+
+def assert_tma_fed_and_unserialised(kernel) -> None:
+    """The sm90 kernels' tiles come by TMA (no per-thread cp.async left), and ptxas kept the wgmma overlap."""
+    import re
+
+    assert "cp.async.bulk.tensor.4d" in kernel.ptx, "no TMA tile load in the PTX"
+    assert not re.search(r"cp\.async\.(ca|cg)\.", kernel.ptx), "a per-thread cp.async is back in an sm90 kernel"
+    log = kernel.meta.get("compiler_log", "")
+    found = [w for w in SLOW_BUILD_WARNINGS if w in log]
+    assert not found, f"ptxas warned {found}: {log}"

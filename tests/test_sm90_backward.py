@@ -24,7 +24,7 @@ from flexgen.codegen.params import BWD_PARAMS
 from flexgen.runtime import families
 from flexgen.runtime.families import Call, choose
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
-from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
+from sm90_cases import SM90, assert_tma_fed_and_unserialised, cpu_variants, hopper, needs_nvrtc
 
 gpu = pytest.mark.gpu
 
@@ -51,6 +51,7 @@ def test_compiles_and_matches_host_layouts(name, D):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, \{{", kernel.ptx)
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D // 2}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
+    assert_tma_fed_and_unserialised(kernel)
     m = re.search(r"flexgen_bwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
     assert m and int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin
     buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}

@@ -26,7 +26,7 @@ from flexgen.codegen.render import render
 from flexgen.runtime.families import Call, choose
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
 from flexgen.runtime.plan import plan
-from sm90_cases import SM90, cpu_variants, hopper, needs_nvrtc
+from sm90_cases import SM90, assert_tma_fed_and_unserialised, cpu_variants, hopper, needs_nvrtc
 
 gpu = pytest.mark.gpu
 
@@ -55,6 +55,7 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
+    assert_tma_fed_and_unserialised(kernel)
     m = re.search(r"flexgen_fwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
     assert m, "the kernel no longer exports flexgen_fwd_smem_bytes"
     assert int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin
