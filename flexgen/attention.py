@@ -16,7 +16,7 @@ from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
-from .runtime.call_checks import check_grid, check_scale
+from .runtime.call_checks import check_block_mask_shape, check_grid, check_scale
 from .runtime.plan import DTYPES
 
 try:  # PyTorch's own classes where the installed torch has them, so isinstance and field access match
@@ -48,11 +48,8 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
             raise TypeError(f"flex_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"flex_attention: {name} must have shape (B, H, L, D), got {tuple(t.shape)}")
-    if query.device.type not in ("cuda", "meta"):  # meta: shapes only (the ops' fake kernels)
-        raise ValueError(
-            "flex_attention runs generated CUDA kernels and needs CUDA tensors, got tensors on "
-            f"{query.device}; for a CPU (float64) computation use flexgen.reference_attention"
-        )
+    if query.device.type not in ("cuda", "meta", "cpu"):  # meta: shapes only (the ops' fake kernels)
+        raise ValueError(f"flex_attention: tensors on {query.device}; flexgen runs on CUDA devices (and, unfused, on the CPU)")
     if not (query.device == key.device == value.device):
         raise ValueError(f"flex_attention: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
     if not (query.dtype == key.dtype == value.dtype):
@@ -60,8 +57,9 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
             "flex_attention: Expected query, key, and value to have the same dtype, but got "
             f"query.dtype: {query.dtype}, key.dtype: {key.dtype}, and value.dtype: {value.dtype} instead."
         )
-    if query.dtype not in DTYPES:
-        raise TypeError(f"flex_attention: dtype {query.dtype} is not supported; use torch.bfloat16 or torch.float16")
+    if query.dtype not in DTYPES and query.dtype not in UNFUSED_DTYPES:
+        raise TypeError(f"flex_attention: dtype {query.dtype} is not supported; use torch.bfloat16 or torch.float16 "
+                        "(the generated kernels), or torch.float32 / torch.float64 (the unfused path)")
     bq, hq, _, d = query.shape
     bk, hk, lk, dk = key.shape
     bv, hv, lv, dv = value.shape
@@ -70,10 +68,8 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
                          "the query's batch size, or 1 to share one key/value across the batch")
     if hk != hv or lk != lv:
         raise ValueError(f"flex_attention: key {tuple(key.shape)} and value {tuple(value.shape)} must agree in heads and length")
-    if d != dk or d != dv:
-        raise ValueError(f"flex_attention: head dims differ: query {d}, key {dk}, value {dv}; flexgen needs them equal")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"flex_attention: head dim {d} is not supported; supported head dims are {HEAD_DIMS}")
+    if d != dk:
+        raise ValueError(f"flex_attention: query and key head dims differ: {d} and {dk}")
     if hq != hk:
         if not enable_gqa:
             raise ValueError(f"flex_attention: query has {hq} heads and key/value {hk}; pass enable_gqa=True for grouped-query attention")
@@ -82,6 +78,54 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     if query.shape[2] == 0 or lk == 0:
         raise ValueError("flex_attention: sequence lengths must be at least 1")
     check_grid(bq, hq)
+
+
+# Inputs the generated kernels do not take but the operator is defined for run through the float64 reference
+# (flexgen.reference_attention, chunked, differentiable by autograd): correct and slow, with one warning per reason.
+UNFUSED_DTYPES = (torch.float32, torch.float64)
+_unfused_warned: set[str] = set()
+
+
+def unfused_reason(query, value) -> str | None:
+    """Why this call cannot use the generated kernels (None: it can)."""
+    if query.device.type == "cpu":
+        return "CPU tensors"
+    if query.dtype in UNFUSED_DTYPES:
+        return f"{query.dtype} inputs"
+    if value.shape[-1] != query.shape[-1]:
+        return f"a value head dim ({value.shape[-1]}) different from the query's ({query.shape[-1]})"
+    if query.shape[-1] not in HEAD_DIMS:
+        return f"head dim {query.shape[-1]} (the kernels have {HEAD_DIMS})"
+    return None
+
+
+def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, scale, enable_gqa: bool, return_lse: bool,
+                       dropout_p: float, return_aux):
+    if dropout_p > 0.0:
+        raise ValueError(f"flex_attention: dropout needs the generated kernels (bf16 / fp16 CUDA tensors, head dims "
+                         f"{HEAD_DIMS}); {reason} run on the unfused path, which has none")
+    if return_aux is not None and return_aux.max_scores:
+        raise ValueError(f"flex_attention: max_scores needs the generated kernels; {reason} run on the unfused path, "
+                         "which returns out and lse only")
+    if block_mask is not None:  # the checks the kernels' path makes, with the same messages
+        bm = BlockMask.from_torch(block_mask)
+        check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
+    if reason not in _unfused_warned:
+        _unfused_warned.add(reason)
+        import warnings
+
+        warnings.warn(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
+                      f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})",
+                      stacklevel=3)
+    from .dsl.reference import reference_attention
+
+    run = reference_attention
+    if torch.compiler.is_compiling():  # a graph break: dynamo need not trace the chunked loops
+        run = torch.compiler.disable(reference_attention, reason="flexgen's unfused path runs eagerly")
+    out, lse = run(query, key, value, score_mod, None, scale, enable_gqa, return_lse=True, block_mask=block_mask)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
+    return (out, lse) if return_lse else out
 
 
 def _check_mods(score_mod, block_mask) -> None:
@@ -155,6 +199,10 @@ def flex_attention(
     query batch (shared across it, without a copy). Outputs keep their input's dimension order. Fully masked rows give 0 and lse = -inf. `dropout_p` drops
     attention probabilities as given (pass 0.0 for evaluation), like SDPA's.
 
+    bfloat16 / float16 CUDA tensors with a head dim the kernels have run on the generated kernels; other inputs
+    (float32 / float64, CPU tensors, other head dims) on the unfused float64 path (reference_attention), with
+    a warning.
+
     Runs through the torch.library ops flexgen::attention_fwd / attention_bwd
     (flexgen/ops.py), so torch.compile(fullgraph=True) traces through it; an eager call on
     plain CUDA tensors takes the ops' twin without the dispatcher (ops._EagerAttention).
@@ -179,6 +227,10 @@ def flex_attention(
         raise TypeError(f"flex_attention: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
     kernel_options = dict(_checked_options(kernel_options))
     key, value = _broadcast_kv_batch(query, key, value)
+    reason = unfused_reason(query, value)
+    if reason is not None:
+        return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                  dropout_p, return_aux)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())

@@ -194,6 +194,7 @@ def test_lse_gradient_reaches_the_backward_under_torch_compile(monkeypatch, comp
     from flexgen.runtime import backward, forward
 
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention, "unfused_reason", lambda *a: None)  # CPU tensors through the ops, not the unfused path
     monkeypatch.setattr(forward, "forward_call", _reference_forward)
     monkeypatch.setattr(backward, "backward_call", _reference_backward)
     torch._dynamo.reset()

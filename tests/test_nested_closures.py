@@ -132,6 +132,7 @@ def test_compiled_passes_each_steps_tensor(monkeypatch):
         return torch.zeros_like(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
 
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention, "unfused_reason", lambda *a: None)  # CPU tensors through the ops, not the unfused path
     monkeypatch.setattr(forward, "forward_call", spy)
     fn, _ = compiled(lambda q, k, v, mask: flexgen.flex_attention(q, k, v, block_mask=mask), Recorder())
     q = torch.randn(B, 4, L, 64)

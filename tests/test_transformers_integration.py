@@ -57,6 +57,7 @@ def cpu_kernels(monkeypatch):
     from flexgen.runtime import backward, forward
 
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
+    monkeypatch.setattr(attention, "unfused_reason", lambda *a: None)  # CPU tensors through the ops, not the unfused path
     monkeypatch.setattr(forward, "forward_call", _reference_forward)
     monkeypatch.setattr(backward, "backward_call", _reference_backward)
 

@@ -1,0 +1,190 @@
+"""Calls the generated kernels do not take (float32 / float64 inputs, CPU tensors, other head dims, a value
+head dim unlike the query's) run on flexgen's unfused float64 path with a warning: checked here on the CPU
+against PyTorch's own FlexAttention (forward) and an independent dense float64 computation (gradients)."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask, flex_attention as torch_flex
+
+import flexgen
+from flexgen import attention
+
+CAUSAL = lambda b, h, q, kv: q >= kv  # noqa: E731
+SOFTCAP = lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    attention._unfused_warned.clear()
+    yield
+    attention._unfused_warned.clear()
+
+
+def _inputs(dtype, b=2, h=4, lq=90, lkv=70, d=64, dv=None, hkv=None, seed=None):
+    gen = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
+    shapes = ((b, h, lq, d), (b, hkv or h, lkv, d), (b, hkv or h, lkv, dv or d))
+    return tuple(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
+
+
+def _dense(q, k, v, scale=None, softcap=None, causal=False, group=1):
+    """softmax(mod(q k^T scale) masked) v in float64, written out; and the natural-log lse."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        keep = torch.arange(q.shape[2])[:, None] >= torch.arange(k.shape[2])[None, :]
+        s = s.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), torch.zeros_like(s))
+    return p @ v, lse
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+def test_forward_matches_pytorch_flex_attention(dtype, tol):
+    q, k, v = _inputs(dtype, lq=100, lkv=100)
+    ref, ref_lse = _quiet(torch_flex, q, k, v, score_mod=SOFTCAP, return_lse=True,
+                          block_mask=torch_block_mask(CAUSAL, None, None, 100, 100, device="cpu"))
+    bm = flexgen.create_block_mask(CAUSAL, None, None, 100, 100)
+    with pytest.warns(UserWarning, match="unfused float64 path"):
+        out, lse = flexgen.flex_attention(q, k, v, score_mod=SOFTCAP, block_mask=bm, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert not torch.isnan(out).any()
+    scale = max(ref.abs().max().item(), 1.0)
+    assert (out - ref).abs().max().item() <= tol * scale
+    assert (lse - ref_lse).abs().max().item() <= tol * max(ref_lse.abs().max().item(), 1.0)
+
+
+def test_gradients_including_the_lse_match_dense_float64():
+    q, k, v = (t.requires_grad_() for t in _inputs(torch.float32))
+    out, lse = _quiet(flexgen.flex_attention, q, k, v, score_mod=SOFTCAP, return_lse=True,
+                      block_mask=flexgen.create_block_mask(CAUSAL, None, None, 90, 70))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want, want_lse = _dense(q64, k64, v64, softcap=20.0, causal=True)
+    g = torch.randn_like(want)
+    got_grads = torch.autograd.grad((out.double() * g).sum() + lse.double().square().sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * g).sum() + want_lse.square().sum(), (q64, k64, v64))
+    assert (out.double() - want).abs().max().item() < 1e-5
+    for got, ref in zip(got_grads, want_grads):
+        assert (got.double() - ref).abs().max().item() <= 1e-5 * max(ref.abs().max().item(), 1.0)
+
+
+def test_learnable_buffer_gets_its_gradient():
+    q, k, v = _inputs(torch.float32, h=4)
+    slopes = torch.rand(4, dtype=torch.float32, requires_grad=True)
+    alibi = lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi)  # noqa: E731
+    out = _quiet(flexgen.flex_attention, q, k, v, score_mod=alibi)
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * g).sum(), slopes)
+    s64 = slopes.detach().double().requires_grad_()
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2) / 8.0
+    s = s + s64[None, :, None, None] * (torch.arange(70)[None, :] - torch.arange(90)[:, None]).double()
+    (want,) = torch.autograd.grad(((torch.softmax(s, -1) @ v64) * g.double()).sum(), s64)
+    assert (grad.double() - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+
+
+def test_shapes_the_kernels_do_not_take():
+    # head dim 16, a value head dim of 40, GQA with a key/value batch of 1, fp32
+    q, k, v = _inputs(torch.float32, b=3, h=4, hkv=2, d=16, dv=40)
+    k, v = k[:1], v[:1]
+    out = _quiet(flexgen.flex_attention, q, k, v, enable_gqa=True)
+    assert out.shape == (3, 4, 90, 40)
+    want, _ = _dense(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), group=2)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
+def test_reasons():
+    def meta(dtype, d=64, dv=None):
+        return torch.empty(1, 1, 8, d, dtype=dtype, device="meta"), torch.empty(1, 1, 8, dv or d, dtype=dtype, device="meta")
+
+    assert attention.unfused_reason(*meta(torch.bfloat16)) is None
+    assert attention.unfused_reason(*meta(torch.float32)) == "torch.float32 inputs"
+    assert "value head dim (40)" in attention.unfused_reason(*meta(torch.float16, dv=40))
+    assert "head dim 16" in attention.unfused_reason(*meta(torch.float16, d=16))
+    assert attention.unfused_reason(torch.empty(1, 1, 8, 64, dtype=torch.bfloat16), torch.empty(1, 1, 8, 64)) == "CPU tensors"
+
+
+def test_bf16_on_the_cpu_is_rounded_once():
+    q, k, v = _inputs(torch.bfloat16)
+    with pytest.warns(UserWarning, match="CPU tensors"):
+        out = flexgen.flex_attention(q, k, v, score_mod=SOFTCAP)
+    want, _ = _dense(q, k, v, softcap=20.0)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, want.to(torch.bfloat16))
+
+
+def test_fully_masked_rows_give_zero_and_minus_infinity():
+    q, k, v = _inputs(torch.float32, lq=8, lkv=8)
+    none_before_4 = lambda b, h, qi, kv: qi >= 4  # noqa: E731
+    bm = flexgen.create_block_mask(none_before_4, None, None, 8, 8, BLOCK_SIZE=16)
+    out, lse = _quiet(flexgen.flex_attention, q, k, v, block_mask=bm, return_lse=True)
+    assert torch.equal(out[:, :, :4], torch.zeros_like(out[:, :, :4]))
+    assert torch.isneginf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+
+
+def test_one_warning_per_reason():
+    q, k, v = _inputs(torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            flexgen.flex_attention(q, k, v)
+    assert sum("unfused" in str(w.message) for w in caught) == 1
+
+
+def test_what_the_unfused_path_refuses():
+    q, k, v = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="dropout needs the generated kernels"):
+        _quiet(flexgen.flex_attention, q, k, v, dropout_p=0.1)
+    from flexgen.attention import AuxRequest
+
+    with pytest.raises(ValueError, match="max_scores needs the generated kernels"):
+        _quiet(flexgen.flex_attention, q, k, v, return_aux=AuxRequest(max_scores=True))
+    with pytest.raises(TypeError, match="float16"):
+        flexgen.flex_attention(*(t.to(torch.int32) for t in (q, k, v)))
+
+
+def test_under_torch_compile():
+    q, k, v = _inputs(torch.float32)
+    eager = _quiet(flexgen.flex_attention, q, k, v, score_mod=SOFTCAP)
+    torch._dynamo.reset()
+    compiled = torch.compile(flexgen.flex_attention, backend="eager")
+    got = _quiet(compiled, q, k, v, score_mod=SOFTCAP)
+    assert torch.equal(got, eager)
+
+
+def test_block_mask_checks_are_the_kernels():
+    q, k, v = _inputs(torch.float32, lq=64, lkv=64)
+    wrong = flexgen.create_block_mask(CAUSAL, None, None, 128, 128)
+    with pytest.raises(ValueError, match="Q_LEN"):
+        _quiet(flexgen.flex_attention, q, k, v, block_mask=wrong)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float64, 64), (torch.bfloat16, 80)])
+def test_on_the_gpu(dtype, d):
+    """float32 / float64 inputs and a head dim the kernels lack, on CUDA tensors: forward and gradients."""
+    q, k, v = (t.cuda().requires_grad_() for t in _inputs(dtype, d=d))
+    bm = flexgen.create_block_mask(CAUSAL, None, None, 90, 70, device="cuda")
+    out = _quiet(flexgen.flex_attention, q, k, v, score_mod=SOFTCAP, block_mask=bm)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want, _ = _dense(q64, k64, v64, softcap=20.0, causal=True)
+    g = torch.randn_like(want)
+    got_grads = torch.autograd.grad((out.double() * g).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * g).sum(), (q64, k64, v64))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert not torch.isnan(out).any()
+    assert (out.double() - want).abs().max().item() <= tol * max(want.abs().max().item(), 1.0)
+    for got, ref in zip(got_grads, want_grads):
+        assert (got.double() - ref).abs().max().item() <= tol * max(ref.abs().max().item(), 1.0)
