@@ -104,9 +104,6 @@ def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, sc
     if dropout_p > 0.0:
         raise ValueError(f"flex_attention: dropout needs the generated kernels (bf16 / fp16 CUDA tensors, head dims "
                          f"{HEAD_DIMS}); {reason} run on the unfused path, which has none")
-    if return_aux is not None and return_aux.max_scores:
-        raise ValueError(f"flex_attention: max_scores needs the generated kernels; {reason} run on the unfused path, "
-                         "which returns out and lse only")
     if block_mask is not None:  # the checks the kernels' path makes, with the same messages
         bm = BlockMask.from_torch(block_mask)
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
@@ -117,14 +114,14 @@ def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, sc
         warnings.warn(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
                       f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})",
                       stacklevel=3)
-    from .dsl.reference import reference_attention
+    from .dsl.reference import reference_outputs
 
-    run = reference_attention
+    run = reference_outputs
     if torch.compiler.is_compiling():  # a graph break: dynamo need not trace the chunked loops
-        run = torch.compiler.disable(reference_attention, reason="flexgen's unfused path runs eagerly")
-    out, lse = run(query, key, value, score_mod, None, scale, enable_gqa, return_lse=True, block_mask=block_mask)
+        run = torch.compiler.disable(reference_outputs, reason="flexgen's unfused path runs eagerly")
+    out, lse, row_max = run(query, key, value, score_mod, None, scale, enable_gqa, block_mask)
     if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if return_aux.max_scores else None)
     return (out, lse) if return_lse else out
 
 
@@ -201,7 +198,7 @@ def flex_attention(
 
     bfloat16 / float16 CUDA tensors with a head dim the kernels have run on the generated kernels; other inputs
     (float32 / float64, CPU tensors, other head dims) on the unfused float64 path (reference_attention), with
-    a warning.
+    a warning (no dropout there).
 
     Runs through the torch.library ops flexgen::attention_fwd / attention_bwd
     (flexgen/ops.py), so torch.compile(fullgraph=True) traces through it; an eager call on

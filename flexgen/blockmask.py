@@ -253,6 +253,25 @@ class BlockMask:
     def to(self, device) -> "BlockMask":
         return self._map_tensors(lambda t: t.to(device))
 
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """The mask of the first new_q_len queries and new_kv_len keys: PyTorch's BlockMask._adjust, with which a
+        mask built for the longest sequence serves a shorter one (a decoding step over a partly filled cache)."""
+        q_len, kv_len = self.seq_lengths
+        if not (0 < int(new_q_len) <= q_len and 0 < int(new_kv_len) <= kv_len):
+            raise ValueError(f"BlockMask._adjust: new lengths ({new_q_len}, {new_kv_len}) must be positive and at most "
+                             f"the mask's ({q_len}, {kv_len}); build a new mask for longer sequences")
+        bq, bkv = self.BLOCK_SIZE
+        rows, cols = -(-int(new_q_len) // bq), -(-int(new_kv_len) // bkv)
+
+        def kept(counts, indices):
+            return self._dense(counts, indices)[..., :rows, :cols]
+
+        partial = kept(self.kv_num_blocks, self.kv_indices)
+        full = (kept(self.full_kv_num_blocks, self.full_kv_indices) if self.full_kv_num_blocks is not None
+                else torch.zeros_like(partial))
+        return BlockMask.from_dense_blocks(full, partial, self.BLOCK_SIZE, (int(new_q_len), int(new_kv_len)),
+                                           self.mask_mod)
+
     def _broadcast_to(self, b: int, h: int) -> "BlockMask":
         """Stride-0 views to (b, h, ...): masks that ignore b and h are stored once."""
         return self._map_tensors(lambda t: t.expand(b, h, *t.shape[2:]))

@@ -3,6 +3,8 @@ refuse (before any kernel could read past a tensor), and the methods a port call
 indexing, to_string, as_tuple, create_mask, device=None), compared with torch's own answers."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -293,3 +295,25 @@ def test_sliced_mask_needs_a_mask_mod_before_attending():
     out = flexgen.flex_attention(q, q, q, block_mask=sliced)
     want = flexgen.reference_attention(*(q.double(),) * 3, mask_mod=lambda b, h, qi, ki: per_head_window(b + 1, h, qi, ki))
     assert ((out.double() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_adjust_keeps_the_prefix_as_pytorch_does():
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    ours = flexgen.create_block_mask(causal, 2, 1, 512, 512, device="cpu")._adjust(200, 384)
+    direct = flexgen.create_block_mask(causal, 2, 1, 200, 384, device="cpu")
+    theirs = torch_block_mask(causal, 2, 1, 512, 512, device="cpu")._adjust(200, 384)
+    assert ours.seq_lengths == (200, 384) and ours.shape == (2, 1, 200, 384)
+    assert torch.equal(ours.to_dense(), direct.to_dense())
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    full = ours._dense(ours.full_kv_num_blocks, ours.full_kv_indices)
+    assert torch.equal(full, direct._dense(direct.full_kv_num_blocks, direct.full_kv_indices))
+    # and attention through it equals attention through the mask built for those lengths
+    q = torch.randn(2, 1, 200, 64)
+    k, v = torch.randn(2, 1, 384, 64), torch.randn(2, 1, 384, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(flexgen.flex_attention(q, k, v, block_mask=ours), flexgen.flex_attention(q, k, v, block_mask=direct))
+    with pytest.raises(ValueError, match="at most"):
+        ours._adjust(300, 384)

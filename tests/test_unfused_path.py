@@ -134,6 +134,20 @@ def test_fully_masked_rows_give_zero_and_minus_infinity():
     assert torch.isneginf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
 
 
+def test_return_aux_gives_lse_and_row_max():
+    from flexgen.attention import AuxRequest
+
+    q, k, v = _inputs(torch.float64, lq=40, lkv=40)
+    bm = flexgen.create_block_mask(CAUSAL, None, None, 40, 40, BLOCK_SIZE=16)
+    out, aux = _quiet(flexgen.flex_attention, q, k, v, score_mod=SOFTCAP, block_mask=bm,
+                      return_aux=AuxRequest(lse=True, max_scores=True))
+    s = 20.0 * torch.tanh(q @ k.transpose(-1, -2) / 8.0 / 20.0)
+    s = s.masked_fill(~(torch.arange(40)[:, None] >= torch.arange(40)[None, :]), -math.inf)
+    assert torch.allclose(aux.max_scores, s.amax(-1), rtol=0, atol=1e-12)
+    assert torch.allclose(aux.lse, torch.logsumexp(s, -1), rtol=0, atol=1e-12)
+    assert not aux.max_scores.requires_grad
+
+
 def test_one_warning_per_reason():
     q, k, v = _inputs(torch.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -147,10 +161,6 @@ def test_what_the_unfused_path_refuses():
     q, k, v = _inputs(torch.float32)
     with pytest.raises(ValueError, match="dropout needs the generated kernels"):
         _quiet(flexgen.flex_attention, q, k, v, dropout_p=0.1)
-    from flexgen.attention import AuxRequest
-
-    with pytest.raises(ValueError, match="max_scores needs the generated kernels"):
-        _quiet(flexgen.flex_attention, q, k, v, return_aux=AuxRequest(max_scores=True))
     with pytest.raises(TypeError, match="float16"):
         flexgen.flex_attention(*(t.to(torch.int32) for t in (q, k, v)))
 

@@ -53,6 +53,13 @@ def reference_attention(
     Returns out (B, Hq, Lq, Dv) in q.dtype, and with return_lse also lse (B, Hq, Lq), in
     float64 for float64 inputs and float32 otherwise. With enable_gqa, query head h reads kv
     head h // (Hq // Hkv). `block_mask` replaces mask_mod (it carries its own)."""
+    out, lse, _ = reference_outputs(q, k, v, score_mod, mask_mod, scale, enable_gqa, block_mask)
+    return (out, lse) if return_lse else out
+
+
+def reference_outputs(q, k, v, score_mod=None, mask_mod=None, scale=None, enable_gqa=False, block_mask=None):
+    """(out, lse, max_scores) of reference_attention: max_scores is each row's maximum of the modded, scaled
+    scores that take part (-inf where none does), without a gradient, in lse's dtype."""
     B, Hq, Lq, D, Hkv, Lkv, Dv = _check_shapes(q, k, v, enable_gqa)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     layout = None
@@ -69,23 +76,23 @@ def reference_attention(
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     device = q.device
     if B * Hq * Lq == 0 or Lkv == 0:
-        out = q.new_zeros(B, Hq, Lq, Dv)
-        return (out, torch.full((B, Hq, Lq), -math.inf, dtype=lse_dtype, device=device)) if return_lse else out
+        none = torch.full((B, Hq, Lq), -math.inf, dtype=lse_dtype, device=device)
+        return q.new_zeros(B, Hq, Lq, Dv), none, none.clone()
     group = Hq // Hkv
     rows = max(1, min(Lq, CHUNK_ELEMENTS // Lkv))
     heads = max(1, min(Hq, CHUNK_ELEMENTS // (rows * Lkv)))
     kv_idx = torch.arange(Lkv, dtype=_INDEX_DTYPE, device=device)
 
-    outs, lses = [], []
+    outs, lses, maxes = [], [], []
     for b in range(B):
         kb, vb = k[b].to(torch.float64), v[b].to(torch.float64)
         b_idx = torch.full((1,), b, dtype=_INDEX_DTYPE, device=device)
-        out_b, lse_b = [], []
+        out_b, lse_b, max_b = [], [], []
         for h0 in range(0, Hq, heads):
             h_idx = torch.arange(h0, min(h0 + heads, Hq), dtype=_INDEX_DTYPE, device=device)
             kv_head = (h_idx // group).long()
             kh, vh = kb[kv_head], vb[kv_head]  # (heads, Lkv, D), (heads, Lkv, Dv)
-            out_h, lse_h = [], []
+            out_h, lse_h, max_h = [], [], []
             for q0 in range(0, Lq, rows):
                 q_idx = torch.arange(q0, min(q0 + rows, Lq), dtype=_INDEX_DTYPE, device=device)
                 qc = q[b, h0 : h0 + len(h_idx), q0 : q0 + len(q_idx)].to(torch.float64)
@@ -94,17 +101,18 @@ def reference_attention(
                 if score_fn is not None:
                     score = _full_shape(score_fn(score, *idx), torch.float64, score.shape)
                 keep = _visible(idx, mask_fn, layout, score.shape)
-                o, l = _softmax_rows(score, keep, vh)
+                o, l, m = _softmax_rows(score, keep, vh)
                 out_h.append(o)
                 lse_h.append(l)
+                max_h.append(m)
             out_b.append(torch.cat(out_h, dim=2))
             lse_b.append(torch.cat(lse_h, dim=2))
+            max_b.append(torch.cat(max_h, dim=2))
         outs.append(torch.cat(out_b, dim=1))
         lses.append(torch.cat(lse_b, dim=1))
+        maxes.append(torch.cat(max_b, dim=1))
     out = torch.cat(outs, dim=0).to(q.dtype)
-    if return_lse:
-        return out, torch.cat(lses, dim=0).to(lse_dtype)
-    return out
+    return out, torch.cat(lses, dim=0).to(lse_dtype), torch.cat(maxes, dim=0).to(lse_dtype)
 
 
 def _full_shape(value, dtype, shape) -> torch.Tensor:
@@ -127,18 +135,18 @@ def _visible(idx, mask_fn, layout, shape):
 
 
 def _softmax_rows(score, keep, vh):
-    """Output and lse for one (1, heads, rows, Lkv) chunk of scores: the row maximum comes off
-    first, so exp() never overflows and huge scores still normalise (sum of p, not 1 + ulps)."""
+    """Output, lse and row maximum for one (1, heads, rows, Lkv) chunk of scores: the row maximum comes
+    off first, so exp() never overflows and huge scores still normalise (sum of p, not 1 + ulps)."""
     if keep is not None:
         score = score.masked_fill(~keep, -math.inf)
-    top = score.amax(dim=-1, keepdim=True).detach()  # the result does not depend on it
-    top = torch.where(top == -math.inf, torch.zeros_like(top), top)  # fully masked rows: p = 0
+    row_max = score.amax(dim=-1, keepdim=True).detach()  # the result does not depend on it
+    top = torch.where(row_max == -math.inf, torch.zeros_like(row_max), row_max)  # fully masked rows: p = 0
     p = torch.exp(score - top)
     total = p.sum(dim=-1, keepdim=True)
     empty = total == 0
     out = (p @ vh[None]) / torch.where(empty, torch.ones_like(total), total)
     lse = torch.where(empty, -math.inf, top + torch.log(torch.where(empty, torch.ones_like(total), total)))
-    return out, lse.squeeze(-1)
+    return out, lse.squeeze(-1), row_max.squeeze(-1)
 
 
 # ---------------------------------------------------------------- what the mods mean
