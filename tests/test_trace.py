@@ -301,15 +301,16 @@ def _points(seed: int, score_dtype=torch.float64, specials=()):
     return {"score": score.to(score_dtype), **ints}
 
 
-def _against_torch(fn, exact: bool | float, seed: int = 0, score_dtype=torch.float64, specials=()):
-    """The traced mod evaluated (float64, or float32 for float32 inputs) against torch running fn per element."""
+def _against_torch(fn, exact: bool | float, seed: int = 0, score_dtype=torch.float64, specials=(), atol: float = 0.0):
+    """The traced mod evaluated (float64, or float32 for float32 inputs) against torch running fn per element.
+    `atol` admits a sum taken in another order: near cancellation its last bits differ relative to a small result."""
     pts = _points(seed, score_dtype, specials)
     mod = flexgen.score_mod(fn)
     got = mod.evaluate(score_dtype, **pts)
     # torch.vmap calls fn once per element, as FlexAttention does
     want = torch.vmap(fn)(pts["score"], pts["b"], pts["h"], pts["q_idx"], pts["kv_idx"]).to(score_dtype)
     rtol = 0.0 if exact is True else 1e-12 if exact is False else exact
-    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-300 if rtol else 0.0, equal_nan=True,
+    torch.testing.assert_close(got, want, rtol=rtol, atol=max(atol, 1e-300) if rtol else 0.0, equal_nan=True,
                                msg=lambda m: f"{mod.pretty()}: {m}")
     return mod
 
@@ -427,7 +428,8 @@ POSITIONAL = torch.randn(8, 6, dtype=torch.float64)
 
 @pytest.mark.parametrize("name", sorted(ROW_REDUCTIONS))
 def test_reductions_over_a_captured_row_match_torch(name):
-    mod = _against_torch(ROW_REDUCTIONS[name], exact=False, seed=len(name))
+    # The IR sums a row as a balanced tree, torch left to right: a few ulps of the O(1) terms apart.
+    mod = _against_torch(ROW_REDUCTIONS[name], exact=False, seed=len(name), atol=1e-13)
     assert all(n.op not in ("load",) or len(n.args) == n.attr.ndim for n in ir.postorder(mod.expr))
 
 
