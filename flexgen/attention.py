@@ -18,6 +18,7 @@ from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
 from .runtime.call_checks import check_block_mask_shape, check_grid, check_scale
 from .runtime.plan import DTYPES
+from .warnings_once import warn_once
 
 try:  # PyTorch's own classes where the installed torch has them, so isinstance and field access match
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -83,7 +84,6 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
 # Inputs the generated kernels do not take but the operator is defined for run through the float64 reference
 # (flexgen.reference_attention, chunked, differentiable by autograd): correct and slow, with one warning per reason.
 UNFUSED_DTYPES = (torch.float32, torch.float64)
-_unfused_warned: set[str] = set()
 
 
 def unfused_reason(query, value) -> str | None:
@@ -104,22 +104,17 @@ def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, sc
     if dropout_p > 0.0:
         raise ValueError(f"flex_attention: dropout needs the generated kernels (bf16 / fp16 CUDA tensors, head dims "
                          f"{HEAD_DIMS}); {reason} run on the unfused path, which has none")
-    if block_mask is not None:  # the checks the kernels' path makes, with the same messages
-        bm = BlockMask.from_torch(block_mask)
+    bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
+    if bm is not None:  # the checks the kernels' path makes, with the same messages
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
-    if reason not in _unfused_warned:
-        _unfused_warned.add(reason)
-        import warnings
-
-        warnings.warn(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
-                      f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})",
-                      stacklevel=3)
+    warn_once(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
+              f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})", stacklevel=3)
     from .dsl.reference import reference_outputs
 
     run = reference_outputs
     if torch.compiler.is_compiling():  # a graph break: dynamo need not trace the chunked loops
         run = torch.compiler.disable(reference_outputs, reason="flexgen's unfused path runs eagerly")
-    out, lse, row_max = run(query, key, value, score_mod, None, scale, enable_gqa, block_mask)
+    out, lse, row_max = run(query, key, value, score_mod, None, scale, enable_gqa, bm)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if return_aux.max_scores else None)
     return (out, lse) if return_lse else out

@@ -27,7 +27,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from flexgen import __version__, cli
+from flexgen import __version__, cli, warnings_once
 from flexgen.cache import errors, jit, paths, store
 from flexgen.cache.errors import CompilerFailure
 from flexgen.cache.lock import FileLock
@@ -85,7 +85,7 @@ def cache(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setitem(jit.BACKENDS, "fake", FakeBackend)
     monkeypatch.setattr(FakeBackend, "compiles", [])
-    monkeypatch.setattr(store, "_warned", set())
+    monkeypatch.setattr(warnings_once, "_seen", set())
     try:
         from flexgen.cache import events
         monkeypatch.setattr(events, "_unsaved_warned", False)  # "once per process": once per test here

@@ -12,8 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flexgen
-from flexgen import ops
-from flexgen.codegen import options as options_module
+from flexgen import ops, warnings_once
 from flexgen.codegen.options import OptionError, call_options
 from flexgen.runtime.arguments import kernel_ready
 from flexgen.runtime.backward import fold_lse_grad
@@ -346,7 +345,7 @@ def test_misspelled_options_get_the_closest_name():
 
 
 def test_pytorch_options_are_ignored_with_one_warning_per_name(monkeypatch):
-    monkeypatch.setattr(options_module, "_warned_ignored", set())
+    monkeypatch.setattr(warnings_once, "_seen", set())
     given = {"USE_TMA": True, "BACKEND": "TRITON", "BLOCK_M2": 32, "num_warps": 4, "WRITE_DQ": False}
     with pytest.warns(UserWarning) as record:
         assert call_options(given) == {"num_warps": 4}
@@ -357,7 +356,7 @@ def test_pytorch_options_are_ignored_with_one_warning_per_name(monkeypatch):
 
 
 def test_pytorch_options_pass_through_flex_attention(monkeypatch):
-    monkeypatch.setattr(options_module, "_warned_ignored", set())
+    monkeypatch.setattr(warnings_once, "_seen", set())
     q = meta(B, H, L, D)
     with pytest.warns(UserWarning, match="ROWS_GUARANTEED_SAFE"):
         flexgen.flex_attention(q, q, q, kernel_options={"ROWS_GUARANTEED_SAFE": True, "PRESCALE_QK": False})

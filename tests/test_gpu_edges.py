@@ -230,9 +230,9 @@ def test_outputs_and_gradients_keep_their_inputs_layout():
 
 @gpu
 def test_pytorch_only_kernel_options_run(monkeypatch):
-    from flexgen.codegen import options
+    from flexgen import warnings_once
 
-    monkeypatch.setattr(options, "_warned_ignored", set())
+    monkeypatch.setattr(warnings_once, "_seen", set())
     q = torch.randn(1, 2, 256, 64, device=DEV, dtype=torch.bfloat16)
     want = flexgen.flex_attention(q, q, q)
     poison(q)

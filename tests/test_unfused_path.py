@@ -11,17 +11,15 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask, flex_attention as torch_flex
 
 import flexgen
-from flexgen import attention
+from flexgen import attention, warnings_once
 
 CAUSAL = lambda b, h, q, kv: q >= kv  # noqa: E731
 SOFTCAP = lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
 
 
 @pytest.fixture(autouse=True)
-def fresh_warnings():
-    attention._unfused_warned.clear()
-    yield
-    attention._unfused_warned.clear()
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(warnings_once, "_seen", set())
 
 
 def _inputs(dtype, b=2, h=4, lq=90, lkv=70, d=64, dv=None, hkv=None, seed=None):

@@ -13,11 +13,11 @@ import hashlib
 import json
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
+from ..warnings_once import warn_once
 from . import paths, safefs
 from .errors import CacheSafetyError, UnsafeCacheError
 from .layout import CUBIN, FAILED, LOG, META, PTX, SOURCE
@@ -29,7 +29,6 @@ from .safefs import write_atomic
 _META_FIELDS = {"key": str, "arch": str, "entry": str, "cubin_sha256": str, "source_sha256": str,
                 "compiler": dict, "resources": dict}
 
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,7 @@ def sha256(data: bytes | str) -> str:
 
 
 def _warn_once(text: str) -> None:
-    if text not in _warned:
-        _warned.add(text)
-        warnings.warn(text, stacklevel=4)
+    warn_once(text, stacklevel=4)
 
 
 def _corrupt(path: Path, why: str) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import difflib
 
+from ..warnings_once import warn_once
+
 _TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 _FLAGS = ("dropout", "debug", "fast_math", "device_debug", "precise_math", "pingpong", "persistent")
 _FAMILIES = ("sm80", "sm90")
@@ -107,7 +109,6 @@ TORCH_IGNORED = (
     "fwd_num_stages", "fwd_num_warps", "bwd_num_stages", "bwd_num_warps", "kpack", "matrix_instr_nonkdim",
     "num_stages1", "waves_per_eu",
 )
-_warned_ignored: set[str] = set()
 
 
 def _suggest(name: str, known) -> str:
@@ -130,12 +131,8 @@ def call_options(options: dict | None) -> dict:
     out = {}
     for name, value in options.items():
         if name in TORCH_IGNORED:
-            if name not in _warned_ignored:
-                _warned_ignored.add(name)
-                import warnings
-
-                warnings.warn(f"flex_attention: kernel_options {name!r} is a PyTorch (Triton) option flexgen's "
-                              "kernels have no use for; it is ignored", UserWarning, stacklevel=3)
+            warn_once(f"flex_attention: kernel_options {name!r} is a PyTorch (Triton) option flexgen's kernels have "
+                      "no use for; it is ignored", stacklevel=3)
             continue
         if name not in CALL_KNOWN:
             raise OptionError(f"flex_attention: unknown kernel_options {name!r}{_suggest(str(name), CALL_KNOWN + list(TORCH_IGNORED))} "
