@@ -36,7 +36,7 @@ def _dense(q, k, v, scale=None, softcap=None, causal=False, group=1):
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if causal:
-        keep = torch.arange(q.shape[2])[:, None] >= torch.arange(k.shape[2])[None, :]
+        keep = torch.arange(q.shape[2], device=q.device)[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
         s = s.masked_fill(~keep, -math.inf)
     lse = torch.logsumexp(s, -1)
     p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), torch.zeros_like(s))
