@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen.runtime.tensor_maps import BOX_COLUMNS, TensorMapError, encode_args, tile_map
+from flexgen.runtime.tensor_maps import TensorMapError, encode_args, tile_map
 
 
 def test_contiguous_layout_gives_innermost_first_dims_and_byte_strides():
@@ -14,7 +14,8 @@ def test_contiguous_layout_gives_innermost_first_dims_and_byte_strides():
     dims, strides, box = encode_args(t, 128)
     assert dims == (128, 100, 3, 2)
     assert strides == (256, 256 * 100, 256 * 100 * 3)
-    assert box == (BOX_COLUMNS, 128, 1, 1)
+    assert box == (64, 128, 1, 1)  # one 128-byte panel of 16-bit values
+    assert encode_args(torch.empty(1, 1, 8, 128), 64)[2] == (32, 64, 1, 1)  # of fp32 (the dQ accumulator)
 
 
 def test_sequence_major_layout_keeps_its_strides():
@@ -37,7 +38,7 @@ def test_size_one_dims_get_valid_strides_and_broadcast_stays_zero():
 
 def test_refusals_come_before_the_driver():
     with pytest.raises(TensorMapError, match="float16 and bfloat16"):
-        tile_map(torch.empty(1, 1, 8, 64), 64)
+        tile_map(torch.empty(1, 1, 8, 64, dtype=torch.float64), 64)
     rows_136_bytes_apart = torch.empty(1, 1, 8, 68, dtype=torch.bfloat16)[..., :64]
     with pytest.raises(TensorMapError, match="16-byte aligned"):
         tile_map(rows_136_bytes_apart, 64)

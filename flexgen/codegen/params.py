@@ -59,7 +59,7 @@ class ParamStruct:
         offsets in the host mirror too; only in kernels whose tiles the copy engine loads (runtime/families.py)."""
         if not tensor_maps:
             return ()
-        return ("TMA descriptors (runtime/tensor_maps.py): dims (D, L, H, B), box 64 x the tile's rows.",
+        return ("TMA descriptors (runtime/tensor_maps.py): dims (D, L, H, B), box 128 bytes x the tile's rows.",
                 _line("TensorMap", *self.map_names))
 
     @property
@@ -172,7 +172,7 @@ BWD_PARAMS = ParamStruct("BwdParams", (
     _line("int", "num_kv_tiles", comment="CTA x handles KV tiles x, x + gridDim.x, ... (one, unless deterministic)"),
     _line("int", "persistent", comment="sm90: a 1-D grid; CTA x walks work tiles x, x + gridDim.x, ... of"),
     _line("int", "batch", "kv_heads", comment="  (KV tile, KV head, batch), the KV tile fastest"),
-), map_names=("q_map", "k_map", "v_map", "do_map"))
+), map_names=("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 # sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O), and a zeroed dQ accumulator.
 BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (

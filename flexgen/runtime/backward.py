@@ -210,6 +210,8 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     if family.tensor_maps:
         p.q_map, p.do_map = tile_map(q, spec.block_m), tile_map(do, spec.block_m)
         p.k_map, p.v_map = tile_map(k, spec.block_n), tile_map(v, spec.block_n)
+        if dq_accum is not None and not deterministic:  # dQ added by TMA reductions (deterministic: ordered adds)
+            p.dq_map = tile_map(dq_accum[0], spec.block_m)
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None

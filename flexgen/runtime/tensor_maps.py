@@ -16,12 +16,13 @@ from collections import OrderedDict
 import torch
 
 MAP_WORDS = 16  # sizeof(CUtensorMap) / 8
-_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+# CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _FLOAT32 (the backward's dQ accumulator)
+_DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = 0
 _OOB_FILL_ZEROS = 0
-BOX_COLUMNS = 64  # one 128-byte panel of 16-bit values: the widest box the 128-byte swizzle allows
+BOX_BYTES = 128  # one 128-byte swizzle panel per row: the widest box row the 128-byte swizzle allows
 _CACHED = 64
 
 _lock = threading.Lock()
@@ -50,7 +51,8 @@ def _encoder():
 
 
 def encode_args(t: torch.Tensor, rows: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(dims, byte strides, box) of the map of `t` (B, H, L, D) with a box of `rows` rows, innermost first.
+    """(dims, byte strides, box) of the map of `t` (B, H, L, D) with a box of `rows` rows by one 128-byte panel,
+    innermost first.
 
     A dimension of size 1 has no meaningful stride (torch may report any): it gets its inner neighbour's
     extent, which the driver accepts. Broadcast dimensions (stride 0) stay 0."""
@@ -61,12 +63,12 @@ def encode_args(t: torch.Tensor, rows: int) -> tuple[tuple[int, ...], tuple[int,
     sl = sl if l > 1 else row_bytes
     sh = sh if h > 1 else sl * l
     sb = sb if b > 1 else sh * h
-    return (d, l, h, b), (sl, sh, sb), (BOX_COLUMNS, rows, 1, 1)
+    return (d, l, h, b), (sl, sh, sb), (BOX_BYTES // elem, rows, 1, 1)
 
 
 def tile_map(t: torch.Tensor, rows: int) -> ctypes.Array:
-    """The TMA descriptor of `t` (B, H, L, D, 16-bit, last dim contiguous, 16-byte aligned rows and base;
-    runtime/arguments.kernel_ready) for tiles of `rows` rows."""
+    """The TMA descriptor of `t` (B, H, L, D; 16-bit inputs or the fp32 dQ accumulator; last dim contiguous,
+    16-byte aligned rows and base: runtime/arguments.kernel_ready) for tiles of `rows` rows."""
     if t.dtype not in _DTYPES:
         raise TensorMapError(f"no TMA data type for {t.dtype}; the kernels take float16 and bfloat16")
     dims, strides, box = encode_args(t, rows)

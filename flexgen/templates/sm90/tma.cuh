@@ -49,3 +49,16 @@ __device__ __forceinline__ void tma_load_tile(half_bits* dst, const TensorMap* m
 }
 template <int ROWS>
 __host__ __device__ constexpr unsigned tile_bytes() { return ROWS * D * 2; }
+
+// Adds the box at (column, row, head, batch) of `map` from shared memory at `src` (laid out as a TMA load of
+// the same box would write it: 1024-byte aligned, 128-byte swizzle) into global memory, element by element
+// (the reduction is done in L2, like red.global.add). Elements outside the tensor are skipped. Completes
+// as a bulk group: bulk_commit(), then bulk_wait_read() before `src` is written again.
+__device__ __forceinline__ void tma_reduce_add_box(const TensorMap* map, const void* src, int col, int row, int head,
+                                                   int batch) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+        ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(col), "r"(row), "r"(head), "r"(batch),
+          "r"(static_cast<unsigned>(__cvta_generic_to_shared(src)))
+        : "memory");
+}
