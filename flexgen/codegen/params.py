@@ -146,7 +146,7 @@ FWD_PARAMS = ParamStruct("FwdParams", (
     _line("int", "head_chunk", comment="sm90: (batch, head) pairs whose tiles interleave (their K/V fit in L2)"),
     _line("const int*", "m_order", comment="sm90: query tiles heaviest first (null: later ones are heavier)"),
     _line("int*", "tile_counter", comment="sm90: work tiles drawn so far; zero between launches"),
-), map_names=("q_map", "k_map", "v_map"))
+), map_names=("q_map", "k_map", "v_map", "o_map"))
 
 # The main backward kernel's parameter (both families).
 BWD_PARAMS = ParamStruct("BwdParams", (

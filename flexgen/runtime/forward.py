@@ -24,6 +24,7 @@ from .plan import make_spec
 from .tensor_maps import tile_map
 
 LOG2E = 1.4426950408889634
+O_STORE_ROWS = 64  # the sm90 forward stores O by TMA, one box of 64 rows per consumer warpgroup
 
 
 def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
@@ -52,6 +53,7 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max, family.tensor_maps)()
     if family.tensor_maps:
         p.q_map, p.k_map, p.v_map = tile_map(q, spec.block_m), tile_map(k, spec.block_n), tile_map(v, spec.block_n)
+        p.o_map = tile_map(out, O_STORE_ROWS)
     if writes_max:
         p.max_scores = max_scores.data_ptr()
     p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()

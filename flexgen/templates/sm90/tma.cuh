@@ -31,6 +31,17 @@ __device__ __forceinline__ void tma_load_box(void* dst, const TensorMap* map, un
         : "memory");
 }
 
+// The reverse: the box at `src` (same layout) to (column, row, head, batch) of `map`, in the calling
+// thread's bulk group (bulk_commit, bulk_wait_read in tiles.cuh). Rows past the tensor's end are not written.
+__device__ __forceinline__ void tma_store_box(const TensorMap* map, const void* src, int col, int row, int head,
+                                              int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+        ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(col), "r"(row), "r"(head), "r"(batch),
+          "r"(static_cast<unsigned>(__cvta_generic_to_shared(src)))
+        : "memory");
+}
+
 // Fetches a tensor map into the descriptor cache ahead of its first use.
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
