@@ -56,6 +56,9 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
+    # O leaves by TMA tensor stores from the spent Q rows, not by a bulk copy per row.
+    assert "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group" in kernel.ptx
+    assert not re.search(r"cp\.async\.bulk\.global\.shared::cta", kernel.ptx)
     m = re.search(r"flexgen_fwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
     assert m, "the kernel no longer exports flexgen_fwd_smem_bytes"
     assert int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin

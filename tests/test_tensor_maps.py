@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexgen.runtime import tensor_maps
 from flexgen.runtime.tensor_maps import TensorMapError, encode_args, tile_map
 
 
@@ -42,3 +43,26 @@ def test_refusals_come_before_the_driver():
     rows_136_bytes_apart = torch.empty(1, 1, 8, 68, dtype=torch.bfloat16)[..., :64]
     with pytest.raises(TensorMapError, match="16-byte aligned"):
         tile_map(rows_136_bytes_apart, 64)
+
+
+def test_cached_maps_are_keyed_by_everything_the_encoding_reads(monkeypatch):
+    """A repeated call hits the cache without encoding; the same memory seen with other strides or another box
+    height is encoded anew, with that layout's arguments."""
+    encoded = []
+
+    def fake_encode(out, dtype, rank, ptr, dims, strides, box, elem_strides, *flags):
+        encoded.append((tuple(dims), tuple(strides), tuple(box)))
+        return 0
+
+    monkeypatch.setattr(tensor_maps, "_encoder", lambda: fake_encode)
+    monkeypatch.setattr(tensor_maps, "_cache", type(tensor_maps._cache)())
+    memory = torch.empty(2 * 3 * 64 * 128, dtype=torch.bfloat16)
+    bhld = memory.view(2, 3, 64, 128)
+    blhd = memory.view(2, 64, 3, 128).transpose(1, 2)  # same pointer and shape, other strides
+    first = tile_map(bhld, 128)
+    assert tile_map(bhld, 128) is first and len(encoded) == 1
+    tile_map(blhd, 128)
+    tile_map(bhld, 64)
+    dims, strides, box = encode_args(blhd, 128)
+    assert encoded[1] == (dims, strides, box) and encoded[2][2] == (64, 64, 1, 1)
+    assert len(encoded) == 3
