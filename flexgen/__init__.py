@@ -35,13 +35,19 @@ _EXPORTS = {
     "BlockMask": ".blockmask",
 }
 
+# PyTorch's private flex_attention names that ported code imports (flexgen/torch_names.py); not in __all__.
+_PRIVATE_EXPORTS = dict.fromkeys(
+    ("_score_mod_signature", "_mask_mod_signature", "_identity", "_create_empty_block_mask",
+     "_DEFAULT_SPARSE_BLOCK_SIZE", "_LARGE_SPARSE_BLOCK_SIZE", "_apply_kernel_options", "_WARNINGS_SHOWN",
+     "flex_attention_hop"), ".torch_names")
+
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    if name not in _EXPORTS and name not in _PRIVATE_EXPORTS:
         raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
-    module = importlib.import_module(_EXPORTS[name], __name__)
+    module = importlib.import_module(_EXPORTS.get(name) or _PRIVATE_EXPORTS[name], __name__)
     value = module if name == "variants" else getattr(module, name)
     globals()[name] = value
     return value

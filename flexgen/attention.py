@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from .blockmask import BlockMask
+from .blockmask import LARGE_BLOCK_SIZE, BlockMask
 from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
@@ -131,6 +131,22 @@ def _check_mods(score_mod, block_mask) -> None:
         )
 
 
+def _without_unbounded_block(block_mask, query, key):
+    """PyTorch's empty block mask (one block of LARGE_BLOCK_SIZE tokens, built for lengths (1, 1)) holds at any
+    length: without an element mask it is no block mask at all, and with one it is rebuilt for these lengths."""
+    if block_mask is None or tuple(block_mask.BLOCK_SIZE) != (LARGE_BLOCK_SIZE, LARGE_BLOCK_SIZE):
+        return block_mask
+    from .blockmask import create_block_mask
+    from .variant import mod_parts
+
+    mask_mod = getattr(block_mask, "mask_mod", None)
+    parts = mod_parts(mask_mod, "mask") if mask_mod is not None else ("", ())
+    if parts is not None and parts[0] == "":
+        return None
+    return create_block_mask(mask_mod, query.shape[0], query.shape[1], query.shape[-2], key.shape[-2],
+                             device=query.device)
+
+
 def _is_block_mask(x) -> bool:
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
@@ -210,6 +226,7 @@ def flex_attention(
 
     _check_inputs(query, key, value, enable_gqa)
     _check_mods(score_mod, block_mask)
+    block_mask = _without_unbounded_block(block_mask, query, key)
     check_scale(scale)
     check_dropout_range(dropout_p)
     if return_lse and return_aux is not None:

@@ -20,6 +20,9 @@ from . import blockmask_validate as check
 from .dsl.mod import Mod
 
 DEFAULT_BLOCK_SIZE = 128
+# PyTorch's "empty" block mask (its _create_empty_block_mask) is one block this large with lengths (1, 1): it
+# stands for no block sparsity at any length (flex_attention drops it, or rebuilds it when it masks anything).
+LARGE_BLOCK_SIZE = 1 << 30
 # Elements evaluated at once when refining undecided tiles (bounds the temporary memory).
 _EVAL_CHUNK_ELEMENTS = 1 << 24
 

@@ -1,0 +1,62 @@
+"""PyTorch's private flex_attention names that ported code (PyTorch's own tests among it) imports from the
+module flexgen replaces, and PyTorch's "empty" block mask, which holds at any length."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex_module
+
+import flexgen
+
+
+def _dense(q, k, v, keep=None):
+    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    return torch.softmax(s, -1) @ v.double()
+
+
+def _inputs(lq=100, lkv=90, d=64):
+    gen = torch.Generator().manual_seed(torch.seed())
+    return tuple(torch.randn(2, 3, n, d, generator=gen, dtype=torch.float64) for n in (lq, lkv, lkv))
+
+
+def _flex(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unfused path's notice
+        return flexgen.flex_attention(*args, **kwargs)
+
+
+def test_the_names_pytorchs_tests_import_exist():
+    from flexgen import (_apply_kernel_options, _create_empty_block_mask, _DEFAULT_SPARSE_BLOCK_SIZE,  # noqa: F401
+                         _identity, _LARGE_SPARSE_BLOCK_SIZE, _mask_mod_signature, _score_mod_signature,
+                         _WARNINGS_SHOWN, flex_attention_hop)
+
+    assert _DEFAULT_SPARSE_BLOCK_SIZE == torch_flex_module._DEFAULT_SPARSE_BLOCK_SIZE
+    assert _LARGE_SPARSE_BLOCK_SIZE == torch_flex_module._LARGE_SPARSE_BLOCK_SIZE
+    assert _WARNINGS_SHOWN is torch_flex_module._WARNINGS_SHOWN
+    assert "_identity" not in flexgen.__all__  # private, as in PyTorch
+    with pytest.raises(AttributeError, match="no attribute '_no_such_name'"):
+        flexgen._no_such_name  # noqa: B018
+
+
+def test_identity_score_mod_and_empty_block_masks_attend_everything():
+    q, k, v = _inputs()
+    want = _dense(q, k, v)
+    for bm in (flexgen._create_empty_block_mask(q, k), torch_flex_module._create_empty_block_mask(q, k)):
+        got = _flex(q, k, v, score_mod=flexgen._identity, block_mask=bm)
+        assert (got - want).abs().max().item() < 1e-12
+
+
+def test_an_unbounded_block_with_a_mask_mod_is_rebuilt_for_the_lengths():
+    q, k, v = _inputs(lq=70, lkv=130)
+    causal = lambda b, h, qi, ki: qi + 60 >= ki  # noqa: E731
+    one = dict(dtype=torch.int32)
+    bm = flexgen.BlockMask.from_kv_blocks(torch.ones(1, 1, 1, **one), torch.zeros(1, 1, 1, 1, **one),
+                                          BLOCK_SIZE=flexgen._LARGE_SPARSE_BLOCK_SIZE, mask_mod=causal,
+                                          seq_lengths=(1, 1))
+    keep = torch.arange(70)[:, None] + 60 >= torch.arange(130)[None, :]
+    assert (_flex(q, k, v, block_mask=bm) - _dense(q, k, v, keep)).abs().max().item() < 1e-12
