@@ -33,6 +33,7 @@ _EXPORTS = {
     "create_mask": ".blockmask",
     "block_sparse_mask": ".blockmask",
     "BlockMask": ".blockmask",
+    "FlexKernelOptions": ".torch_names",
 }
 
 # PyTorch's private flex_attention names that ported code imports (flexgen/torch_names.py); not in __all__.

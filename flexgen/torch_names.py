@@ -4,7 +4,8 @@ FlexAttention tests among it), so that moving such code to flexgen stays a one-l
 flexgen's own: the mod signatures, `_identity`, the block sizes and `_create_empty_block_mask` (a block mask
 that masks nothing at any length; `flex_attention` treats it as no block mask). PyTorch's, handed through
 because they are PyTorch's machinery rather than part of the attention operator: `_apply_kernel_options`,
-`_WARNINGS_SHOWN` and `flex_attention_hop` (imported only when asked for: they load torch's compiler stack).
+`_WARNINGS_SHOWN`, `flex_attention_hop`, and the public `FlexKernelOptions` type (flexgen takes its keys and says
+which it ignores). They are imported only when asked for: they load torch's compiler stack.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def _create_empty_block_mask(query: Tensor, key: Tensor) -> BlockMask:
 
 
 _FROM_TORCH = {
+    "FlexKernelOptions": "torch.nn.attention.flex_attention",
     "_apply_kernel_options": "torch.nn.attention.flex_attention",
     "_WARNINGS_SHOWN": "torch.nn.attention.flex_attention",
     "flex_attention_hop": "torch._higher_order_ops.flex_attention",

@@ -39,6 +39,8 @@ def test_the_names_pytorchs_tests_import_exist():
     assert _LARGE_SPARSE_BLOCK_SIZE == torch_flex_module._LARGE_SPARSE_BLOCK_SIZE
     assert _WARNINGS_SHOWN is torch_flex_module._WARNINGS_SHOWN
     assert "_identity" not in flexgen.__all__  # private, as in PyTorch
+    assert set(torch_flex_module.__all__) <= set(flexgen.__all__)  # and every public name
+    assert flexgen.FlexKernelOptions is torch_flex_module.FlexKernelOptions
     with pytest.raises(AttributeError, match="no attribute '_no_such_name'"):
         flexgen._no_such_name  # noqa: B018
 
