@@ -44,15 +44,11 @@ __device__ __forceinline__ void release(unsigned long long* empty) {
     if (threadIdx.x % 32 == 0) mbar_arrive(empty);
 }
 
-// ---------------------------------------------------------------- bulk stores (shared -> global)
-// One contiguous run of bytes copied by the TMA engine, asynchronously: the issuing thread goes on, and
-// only before it reuses the source (or exits) waits for the copies it committed. Addresses 16-byte
-// aligned, size a multiple of 16. The source was written through the generic proxy: the writers fence
-// (fence_proxy_async_shared) and meet the issuer at a barrier first.
-__device__ __forceinline__ void bulk_store(void* global_dst, const void* shared_src, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                 ::"l"(global_dst), "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared_src))), "r"(bytes) : "memory");
-}
+// ---------------------------------------------------------------- bulk groups (shared -> global)
+// TMA stores and reductions (tma.cuh) go out asynchronously in the issuing thread's bulk group: it goes on,
+// and only before the source is written again (or the CTA exits) waits for what it committed. The source
+// was written through the generic proxy: the writers fence (fence_proxy_async_shared) and meet the issuer at
+// a barrier first.
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // The committed copies have read their sources (which may then be overwritten).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
