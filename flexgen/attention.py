@@ -16,7 +16,7 @@ from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
-from .runtime.call_checks import check_block_mask_shape, check_grid, check_scale
+from .runtime.call_checks import UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, unfused_notice, unfused_reason
 from .runtime.plan import DTYPES
 from .warnings_once import warn_once
 
@@ -81,34 +81,19 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     check_grid(bq, hq)
 
 
-# Inputs the generated kernels do not take but the operator is defined for run through the float64 reference
-# (flexgen.reference_attention, chunked, differentiable by autograd): correct and slow, with one warning per reason.
-UNFUSED_DTYPES = (torch.float32, torch.float64)
-
-
-def unfused_reason(query, value) -> str | None:
-    """Why this call cannot use the generated kernels (None: it can)."""
-    if query.device.type == "cpu":
-        return "CPU tensors"
-    if query.dtype in UNFUSED_DTYPES:
-        return f"{query.dtype} inputs"
-    if value.shape[-1] != query.shape[-1]:
-        return f"a value head dim ({value.shape[-1]}) different from the query's ({query.shape[-1]})"
-    if query.shape[-1] not in HEAD_DIMS:
-        return f"head dim {query.shape[-1]} (the kernels have {HEAD_DIMS})"
-    return None
+def _refuse_unfused_dropout(reason: str, dropout_p: float) -> None:
+    if dropout_p > 0.0:
+        raise ValueError(f"flex_attention: dropout needs the generated kernels (bf16 / fp16 CUDA tensors, head dims "
+                         f"{HEAD_DIMS}); {reason} run on the unfused path, which has none")
 
 
 def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, scale, enable_gqa: bool, return_lse: bool,
                        dropout_p: float, return_aux):
-    if dropout_p > 0.0:
-        raise ValueError(f"flex_attention: dropout needs the generated kernels (bf16 / fp16 CUDA tensors, head dims "
-                         f"{HEAD_DIMS}); {reason} run on the unfused path, which has none")
+    _refuse_unfused_dropout(reason, dropout_p)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     if bm is not None:  # the checks the kernels' path makes, with the same messages
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
-    warn_once(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
-              f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})", stacklevel=3)
+    unfused_notice(reason, stacklevel=4)
     from .dsl.reference import reference_outputs
 
     run = reference_outputs
@@ -192,7 +177,7 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     kernel_options: dict | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float | None = None,
     *,
     return_aux: AuxRequest | None = None,
 ):
@@ -221,13 +206,16 @@ def flex_attention(
     >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), block_mask=mask)
     """
     from .dropout import check_dropout_range
-    from .ops import attention_eager, attention_fwd, eager_route_ok, mask_tensors
+    from .ops import attention_eager, attention_fwd, default_scale, eager_route_ok, mask_tensors
     from .variant import mod_parts, variant_key
 
     _check_inputs(query, key, value, enable_gqa)
     _check_mods(score_mod, block_mask)
     block_mask = _without_unbounded_block(block_mask, query, key)
     check_scale(scale)
+    # (None by default rather than 0.0: a float default becomes a symbolic input under torch.compile(dynamic=True),
+    # and dynamo then traces the whole call a second time)
+    dropout_p = 0.0 if dropout_p is None else dropout_p
     check_dropout_range(dropout_p)
     if return_lse and return_aux is not None:
         raise ValueError("flex_attention: pass return_aux=AuxRequest(lse=True) or return_lse=True, not both "
@@ -237,13 +225,19 @@ def flex_attention(
     kernel_options = dict(_checked_options(kernel_options))
     key, value = _broadcast_kv_batch(query, key, value)
     reason = unfused_reason(query, value)
-    if reason is not None:
+    if reason is not None and not torch.compiler.is_compiling():
         return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                   dropout_p, return_aux)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
-    if score_parts is None or mask_parts is None:
+    if reason is not None:
+        _refuse_unfused_dropout(reason, dropout_p)
+        if score_parts is None or mask_parts is None:  # mods the tracer cannot take: a graph break
+            return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                      dropout_p, return_aux)
+        # traced mods: the custom ops below, whose implementation runs the unfused path (no graph break)
+    elif score_parts is None or mask_parts is None:
         return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                      kernel_options, dropout_p, return_aux=return_aux)
     (score_token, score_buffers), (mask_token, mask_buffers) = score_parts, mask_parts
@@ -253,12 +247,15 @@ def flex_attention(
     if torch.is_grad_enabled() and not torch.compiler.is_compiling() and background_compile():
         _compile_backward_early(variant, query, key, value, buffers, bm, dropout_p)
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    if scale < 0:
+        # The ops work out 1/sqrt(D) themselves: computed here, under torch.compile(dynamic=True) it would be a
+        # symbolic float of the head dim, which makes dynamo trace the whole call a second time.
+        scale = default_scale()
+    elif scale < 0:
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
     want_max = return_aux is not None and bool(return_aux.max_scores)
-    args = (mask_tensors(bm), buffers, float(scale), variant, float(dropout_p), _dropout_rng(dropout_p), want_max)
+    args = (mask_tensors(bm), buffers, float(scale), variant, float(dropout_p), _dropout_rng(dropout_p), want_max,
+            reason is not None)
     if eager_route_ok(query, key, value, buffers):
         out, lse, row_max = attention_eager(query, key, value, *args)
     else:

@@ -1,18 +1,23 @@
 """flexgen attention as torch.library custom ops, so torch.compile(fullgraph=True) traces through it.
 
     flexgen::attention_fwd  (q, k, v, <8 block-mask tensors>, buffers, scale, variant, dropout_p, rng,
-                             return_max) -> (out, lse, max_scores (empty unless return_max))
+                             return_max, unfused) -> (out, lse, max_scores (empty unless return_max))
     flexgen::attention_bwd  (q, k, v, out, lse, grad_out, grad_lse, <8 block-mask tensors>, buffers, scale,
-                             variant, dropout_p, rng, need_q, need_k, need_v, buffer_grads)
+                             variant, dropout_p, rng, need_q, need_k, need_v, buffer_grads, unfused)
                             -> (dq, dk, dv, [d buffer for each index in buffer_grads])
 
 Ops carry only tensors and primitives: `variant` names an entry of flexgen.variant's registry
-(traced Mods, BLOCK_SIZE, seq_lengths, kernel_options). `rng` is a CPU int64 tensor
+(traced Mods, BLOCK_SIZE, seq_lengths, kernel_options); a negative `scale` (default_scale()) stands for 1/sqrt(D). `rng` is a CPU int64 tensor
 (seed, offset) for dropout, or None. Gradients nobody needs come back as empty tensors,
 and the kernels do no work for them.
+
+Inputs the kernels do not take (call_checks.unfused_reason: CPU tensors, float32 / float64, other head
+dims) reach the ops only under torch.compile, so that the graph has no break, with `unfused` set: the
+implementation then runs the unfused float64 path, and the backward differentiates that path.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -21,9 +26,21 @@ from torch import Tensor
 from .blockmask import BlockMask
 from .codegen.options import call_options
 from .runtime import backward as _backward_pass, forward as _forward_pass
-from .runtime.call_checks import check_block_mask_shape, check_grid, check_scale, empty_like_layout
+from .runtime.call_checks import (check_block_mask_shape, check_grid, check_scale, empty_like_layout, unfused_notice,
+                                  unfused_reason)
 from .runtime.plan import make_spec
 from .variant import _VARIANTS, variant
+
+def default_scale() -> float:
+    """The `scale` an op gets for "1/sqrt(head dim)", which flex_attention passes when the caller gave none. A
+    negative scale never reaches the ops otherwise: flex_attention moves its sign onto the query. (A function
+    rather than a module constant: under torch.compile(dynamic=True) a global float becomes a symbolic input.)"""
+    return -1.0
+
+
+def resolve_scale(scale: float, q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale < 0 else scale
+
 
 MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -33,10 +50,19 @@ def mask_tensors(bm: BlockMask | None) -> tuple:
     return tuple(getattr(bm, f) for f in MASK_FIELDS) if bm is not None else (None,) * len(MASK_FIELDS)
 
 
-def _block_mask(v, tensors) -> BlockMask | None:
+def _block_mask(v, tensors, mask_mod=None) -> BlockMask | None:
     if tensors[0] is None:
         return None
-    return BlockMask(v.seq_lengths, *tensors, v.block_size, None)
+    return BlockMask(v.seq_lengths, *tensors, v.block_size, mask_mod)
+
+
+def _reference(q, k, v, masks, buffers, scale, var):
+    """(out, lse, max_scores) of the unfused path for the op's arguments."""
+    from .dsl.reference import reference_outputs
+
+    score, mask = var.bind(buffers)
+    bm = _block_mask(var, masks, mask)
+    return reference_outputs(q, k, v, score, None if bm is not None else mask, scale, q.shape[1] != k.shape[1], bm)
 
 
 def _dropout_kwargs(dropout_p: float, rng: Tensor | None) -> dict:
@@ -55,15 +81,20 @@ def attention_fwd(
     q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
     full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
-    return_max: bool,
+    return_max: bool, unfused: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     masks = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
-    return _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return_max)
+    return _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return_max, unfused)
 
 
-def _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return_max):
+def _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return_max, unfused=False):
+    scale = resolve_scale(scale, q)
     var = variant(variant_key)
+    if unfused:
+        unfused_notice(unfused_reason(q, v) or "these inputs")
+        out, lse, row_max = _reference(q, k, v, masks, buffers, scale, var)
+        return _in_layout_of(out, q), lse, row_max if return_max else q.new_empty(0, dtype=lse.dtype)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, masks)
     extra = {"max_scores": True} if return_max else {}
@@ -87,15 +118,18 @@ def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
 
 @attention_fwd.register_fake
 def _(q, k, v, *mask_and_rest):
-    return_max = mask_and_rest[13]
-    check_traced_call(q, k, mask_and_rest[:8], mask_and_rest[9], mask_and_rest[10], return_max, mask_and_rest[11] > 0)
+    return_max, unfused = mask_and_rest[13], mask_and_rest[14]
+    check_traced_call(q, k, mask_and_rest[:8], mask_and_rest[9], mask_and_rest[10], return_max, mask_and_rest[11] > 0,
+                      unfused)
     b, h, lq, _ = q.shape
-    row_max = q.new_empty((b, h, lq) if return_max else (0,), dtype=torch.float32)
-    return empty_like_layout(q), q.new_empty((b, h, lq), dtype=torch.float32), row_max
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # (the unfused path's, for float64)
+    row_max = q.new_empty((b, h, lq) if return_max else (0,), dtype=lse_dtype)
+    out = empty_like_layout(q, (b, h, lq, v.shape[-1])) if unfused else empty_like_layout(q)
+    return out, q.new_empty((b, h, lq), dtype=lse_dtype), row_max
 
 
 def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, variant_key: str,
-                      return_max: bool = False, dropout: bool = False) -> None:
+                      return_max: bool = False, dropout: bool = False, unfused: bool = False) -> None:
     """What the eager call checks before any launch, checked again where torch.compile traces the op (its fake
     kernel): the scale, the grid, the block mask against the inputs, the kernel options, and where the device
     has an architecture (a real or fake CUDA tensor, not a meta one) the kernel's plan itself."""
@@ -108,7 +142,7 @@ def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, v
     if bm is not None:
         check_block_mask_shape(var.seq_lengths, bm.kv_num_blocks, q, k)
     options = call_options(var.kernel_options)
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and not unfused:
         spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
                          max_scores=return_max)
         if bm is not None:
@@ -123,19 +157,22 @@ def attention_bwd(
     q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
     full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
     buffers: list[Tensor], scale: float, variant_key: str, dropout_p: float, rng: Optional[Tensor],
-    need_q: bool, need_k: bool, need_v: bool, buffer_grads: list[int],
+    need_q: bool, need_k: bool, need_v: bool, buffer_grads: list[int], unfused: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     masks = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
     dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, variant_key,
-                                       dropout_p, rng, (need_q, need_k, need_v), buffer_grads)
+                                       dropout_p, rng, (need_q, need_k, need_v), buffer_grads, unfused)
     return (_or_empty(dq, q), _or_empty(dk, q), _or_empty(dv, q), grads)
 
 
 def _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, variant_key, dropout_p, rng,
-                   need, buffer_grads):
+                   need, buffer_grads, unfused=False):
     """(dq, dk, dv, [gradient of buffers[i] for i in buffer_grads]); None for a gradient not needed."""
+    scale = resolve_scale(scale, q)
     var = variant(variant_key)
+    if unfused:
+        return _unfused_backward(q, k, v, grad_out, grad_lse, masks, buffers, scale, var, need, buffer_grads)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, masks)
     names = _buffer_names(score, mask)
@@ -146,6 +183,31 @@ def _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale,
     )
     dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, [grads[n] for n in wanted]
+
+
+def _unfused_backward(q, k, v, grad_out, grad_lse, masks, buffers, scale, var, need, buffer_grads):
+    """The unfused path's gradients: the vector-Jacobian product of its forward (torch.func, which differentiates
+    inside an op's implementation, where autograd itself is switched off)."""
+    wrt = [i for i, n in enumerate(need) if n]
+    n_qkv = len(wrt)
+
+    def forward(*xs):
+        qkv, bufs = [q, k, v], list(buffers)
+        for i, x in zip(wrt, xs[:n_qkv]):
+            qkv[i] = x
+        for i, x in zip(buffer_grads, xs[n_qkv:]):
+            bufs[i] = x
+        out, lse, _ = _reference(*qkv, masks, bufs, scale, var)
+        return out, lse
+
+    primals = [(q, k, v)[i] for i in wrt] + [buffers[i] for i in buffer_grads]
+    (out, lse), vjp = torch.func.vjp(forward, *primals)
+    got = list(vjp((grad_out.to(out.dtype), torch.zeros_like(lse) if grad_lse is None else grad_lse.to(lse.dtype))))
+    dqkv = [None, None, None]
+    for i in wrt:
+        dqkv[i] = _in_layout_of(got.pop(0), (q, k, v)[i])
+    grads = [g.float().to(q.device) for g in got]
+    return (*dqkv, grads)
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -176,7 +238,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(row_max)  # a max: no gradient, as PyTorch's max_scores has none
     ctx.save_for_backward(q, k, v, out, lse, *masks, *buffers)
     ctx.n_buffers = len(buffers)
-    ctx.extra = (scale, key, dropout_p, rng)
+    ctx.extra = (scale, key, dropout_p, rng, rest[14])
     ctx.set_materialize_grads(False)  # an unused output (out or lse) brings None, not a tensor of zeros
 
 
@@ -186,16 +248,16 @@ def _backward(ctx, grad_out, grad_lse, grad_max=None):
     if grad_out is None:  # only lse was used
         grad_out = torch.zeros_like(out)
     masks, buffers = rest[:8], rest[8:]
-    scale, key, dropout_p, rng = ctx.extra
+    scale, key, dropout_p, rng, unfused = ctx.extra
     need = ctx.needs_input_grad
     need_buffers = need[11] if isinstance(need[11], (list, tuple)) else [need[11]] * ctx.n_buffers
     wanted = [i for i, n in enumerate(need_buffers) if n]
     dq, dk, dv, grads = attention_bwd(
         q, k, v, out, lse, grad_out, grad_lse, *masks, list(buffers), scale, key, dropout_p, rng,
-        bool(need[0]), bool(need[1]), bool(need[2]), wanted,
+        bool(need[0]), bool(need[1]), bool(need[2]), wanted, unfused,
     )
     return ((dq if need[0] else None), (dk if need[1] else None), (dv if need[2] else None),
-            *([None] * 8), _buffer_grads(wanted, grads, buffers), None, None, None, None, None)
+            *([None] * 8), _buffer_grads(wanted, grads, buffers), None, None, None, None, None, None)
 
 
 def _buffer_grads(wanted: list[int], grads, buffers) -> list:
@@ -226,8 +288,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, q, k, v, *buffers):
-        masks, scale, key, dropout_p, rng, return_max = call
-        out, lse, row_max = _forward(q, k, v, masks, list(buffers), scale, key, dropout_p, rng, return_max)
+        masks, scale, key, dropout_p, rng, return_max, unfused = call
+        out, lse, row_max = _forward(q, k, v, masks, list(buffers), scale, key, dropout_p, rng, return_max, unfused)
         ctx.mark_non_differentiable(row_max)
         ctx.save_for_backward(q, k, v, out, lse, *buffers)
         ctx.call = call
@@ -239,11 +301,11 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, *buffers = ctx.saved_tensors
         if grad_out is None:  # only lse was used
             grad_out = torch.zeros_like(out)
-        masks, scale, key, dropout_p, rng, _ = ctx.call
+        masks, scale, key, dropout_p, rng, _, unfused = ctx.call
         need = ctx.needs_input_grad
         wanted = [i for i, n in enumerate(need[4:]) if n]
         dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, key,
-                                           dropout_p, rng, tuple(bool(n) for n in need[1:4]), wanted)
+                                           dropout_p, rng, tuple(bool(n) for n in need[1:4]), wanted, unfused)
         return (None, dq, dk, dv, *_buffer_grads(wanted, grads, buffers))
 
 
@@ -256,10 +318,12 @@ def eager_route_ok(q: Tensor, k: Tensor, v: Tensor, buffers) -> bool:
             and torch._C._functorch.peek_interpreter_stack() is None)
 
 
-def attention_eager(q, k, v, masks, buffers, scale: float, variant_key: str, dropout_p: float, rng, return_max: bool):
+def attention_eager(q, k, v, masks, buffers, scale: float, variant_key: str, dropout_p: float, rng, return_max: bool,
+                    unfused: bool = False):
     """attention_fwd's result, without the dispatcher: through _EagerAttention where autograd records, else
     the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or any(b.requires_grad for b in buffers)):
-        return _EagerAttention.apply((tuple(masks), scale, variant_key, dropout_p, rng, return_max), q, k, v, *buffers)
-    return _forward(q, k, v, tuple(masks), list(buffers), scale, variant_key, dropout_p, rng, return_max)
+        return _EagerAttention.apply((tuple(masks), scale, variant_key, dropout_p, rng, return_max, unfused), q, k, v,
+                                     *buffers)
+    return _forward(q, k, v, tuple(masks), list(buffers), scale, variant_key, dropout_p, rng, return_max, unfused)

@@ -312,7 +312,7 @@ def test_gradients_keep_their_inputs_dimension_order():
     k = meta(H, B, L, D).transpose(0, 1).requires_grad_()
     v = meta(B, H, L, D, requires_grad=True)
     dq, dk, dv, _ = torch.ops.flexgen.attention_bwd(q, k, v, q, meta(B, H, L), q, None, *([None] * 8), [], 0.1,
-                                                    "unused", 0.0, None, True, True, True, [])
+                                                    "unused", 0.0, None, True, True, True, [], False)
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.is_contiguous()
 
 
@@ -404,7 +404,7 @@ def test_grid_limit_edge_is_accepted():
 
 def _fake_fwd(q, k, key, scale=0.125, mask=None):
     masks = ops.mask_tensors(mask)
-    return torch.ops.flexgen.attention_fwd(q, k, k, *masks, [], scale, key, 0.0, None, False)
+    return torch.ops.flexgen.attention_fwd(q, k, k, *masks, [], scale, key, 0.0, None, False, False)
 
 
 @pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])

@@ -106,12 +106,12 @@ def test_fake_kernels_shapes_and_dtypes():
         k = torch.empty(B, 2, 128, D, dtype=torch.bfloat16)
         buf = torch.empty(H, 7, dtype=torch.float16)
         masks = [None] * 8
-        out, lse, row_max = torch.ops.flexgen.attention_fwd(q, k, k, *masks, [buf], 0.1, "unused", 0.0, None, False)
+        out, lse, row_max = torch.ops.flexgen.attention_fwd(q, k, k, *masks, [buf], 0.1, "unused", 0.0, None, False, False)
         assert row_max.numel() == 0  # max_scores only when asked for
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (B, H, L) and lse.dtype == torch.float32
         dq, dk, dv, grads = torch.ops.flexgen.attention_bwd(
-            q, k, k, out, lse, out, None, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0])
+            q, k, k, out, lse, out, None, *masks, [buf], 0.1, "unused", 0.0, None, True, False, True, [0], False)
         assert dq.shape == q.shape and dk.numel() == 0 and dv.shape == k.shape and dv.dtype == q.dtype
         assert len(grads) == 1 and grads[0].shape == buf.shape and grads[0].dtype == torch.float32
         assert grads[0].device == q.device
@@ -130,7 +130,7 @@ def test_eager_meta_backward_respects_needs_input_grad(monkeypatch):
     real = torch.ops.flexgen.attention_bwd.default
 
     def spy(*args):
-        calls.append(args[-4:])
+        calls.append(args[-5:-1])  # need_q, need_k, need_v, buffer_grads (then `unfused`)
         return real(*args)
 
     monkeypatch.setattr(ops, "attention_bwd", spy)
@@ -261,7 +261,7 @@ def test_only_query_grad_under_compile_asks_no_dk_dv():
     q, k, v = qkv(requires_grad=(True, False, False))
     fn(q, k, v, None).sum().backward()
     (node,) = [n for n in rec.bw[0].graph.nodes if str(n.target) == "flexgen.attention_bwd.default"]
-    assert node.args[-4:-1] == (True, False, False)
+    assert node.args[-5:-2] == (True, False, False)  # need_q, need_k, need_v (then buffer_grads, unfused)
 
 
 def test_dropout_under_compile_draws_rng_in_graph():

@@ -7,6 +7,33 @@ import math
 
 import torch
 
+from ..codegen.spec import HEAD_DIMS
+from ..warnings_once import warn_once
+
+# Inputs the generated kernels do not take but the operator is defined for run through the float64 reference
+# (flexgen.reference_attention, chunked, differentiable by autograd): correct and slow, with one warning per reason.
+UNFUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def unfused_reason(query, value) -> str | None:
+    """Why this call cannot use the generated kernels (None: it can)."""
+    if query.device.type == "cpu":
+        return "CPU tensors"
+    if query.dtype in UNFUSED_DTYPES:
+        return f"{query.dtype} inputs"
+    if value.shape[-1] != query.shape[-1]:
+        return f"a value head dim ({value.shape[-1]}) different from the query's ({query.shape[-1]})"
+    if query.shape[-1] not in HEAD_DIMS:
+        return f"head dim {query.shape[-1]} (the kernels have {HEAD_DIMS})"
+    return None
+
+
+def unfused_notice(reason: str, stacklevel: int = 3) -> None:
+    warn_once(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
+              f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})",
+              stacklevel=stacklevel)
+
+
 # gridDim.y and gridDim.z are at most 65535: the sm80 grids put heads in y and the batch in z.
 MAX_GRID_YZ = 65535
 
