@@ -185,13 +185,16 @@ def _reference_backward(q, k, v, out, lse, grad_out, score, bm, mask, scale, ker
         return pool.submit(run).result()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lse_gradient_reaches_the_backward_under_torch_compile(monkeypatch, compiled):
+@pytest.mark.parametrize("route", ["eager", "compiled", "eager-route"])
+def test_lse_gradient_reaches_the_backward_under_torch_compile(monkeypatch, route):
     """The kernels swapped for the float64 reference on the CPU: gradients of out * a + lse * b + lse**2 * c,
-    eager and through torch.compile (AOTAutograd), equal float64 autograd of the same loss."""
-    from flexgen import attention
+    through the ops eagerly, through torch.compile (AOTAutograd), and through the ops' dispatcher-free twin that
+    eager CUDA calls take (ops._EagerAttention), equal float64 autograd of the same loss."""
+    from flexgen import attention, ops
     from flexgen.runtime import backward, forward
 
+    if route == "eager-route":
+        monkeypatch.setattr(ops, "eager_route_ok", lambda *a: True)
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
     monkeypatch.setattr(attention, "unfused_reason", lambda *a: None)  # CPU tensors through the ops, not the unfused path
     monkeypatch.setattr(forward, "forward_call", _reference_forward)
@@ -204,7 +207,7 @@ def test_lse_gradient_reaches_the_backward_under_torch_compile(monkeypatch, comp
         out, aux = flexgen.flex_attention(q, k, v, return_aux=flexgen.AuxRequest(lse=True))
         return out.sum() * 0.7 + aux.lse.sum() * -1.3 + (aux.lse ** 2).sum() * 0.2
 
-    fn = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+    fn = torch.compile(loss, backend="aot_eager", fullgraph=True) if route == "compiled" else loss
     got = torch.autograd.grad(fn(*x), x)
     x64 = [t.detach().double().requires_grad_() for t in x]
     out, lse = flexgen.reference_attention(*x64, return_lse=True)
