@@ -6,7 +6,6 @@ and launching live in flexgen/runtime.
 """
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -18,7 +17,6 @@ from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
 from .runtime.call_checks import UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, unfused_notice, unfused_reason
 from .runtime.plan import DTYPES
-from .warnings_once import warn_once
 
 try:  # PyTorch's own classes where the installed torch has them, so isinstance and field access match
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -89,7 +87,6 @@ def _refuse_unfused_dropout(reason: str, dropout_p: float) -> None:
 
 def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, scale, enable_gqa: bool, return_lse: bool,
                        dropout_p: float, return_aux):
-    _refuse_unfused_dropout(reason, dropout_p)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     if bm is not None:  # the checks the kernels' path makes, with the same messages
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
@@ -225,6 +222,8 @@ def flex_attention(
     kernel_options = dict(_checked_options(kernel_options))
     key, value = _broadcast_kv_batch(query, key, value)
     reason = unfused_reason(query, value)
+    if reason is not None:
+        _refuse_unfused_dropout(reason, dropout_p)
     if reason is not None and not torch.compiler.is_compiling():
         return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                   dropout_p, return_aux)
@@ -232,7 +231,6 @@ def flex_attention(
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
     if reason is not None:
-        _refuse_unfused_dropout(reason, dropout_p)
         if score_parts is None or mask_parts is None:  # mods the tracer cannot take: a graph break
             return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                       dropout_p, return_aux)

@@ -124,8 +124,8 @@ def _(q, k, v, *mask_and_rest):
     b, h, lq, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # (the unfused path's, for float64)
     row_max = q.new_empty((b, h, lq) if return_max else (0,), dtype=lse_dtype)
-    out = empty_like_layout(q, (b, h, lq, v.shape[-1])) if unfused else empty_like_layout(q)
-    return out, q.new_empty((b, h, lq), dtype=lse_dtype), row_max
+    # (v's head dim: the kernels take only v's equal to q's; the unfused path any)
+    return empty_like_layout(q, (b, h, lq, v.shape[-1])), q.new_empty((b, h, lq), dtype=lse_dtype), row_max
 
 
 def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, variant_key: str,

@@ -70,7 +70,8 @@ def tile_map(t: torch.Tensor, rows: int) -> ctypes.Array:
     """The TMA descriptor of `t` (B, H, L, D; 16-bit inputs or the fp32 dQ accumulator; last dim contiguous,
     16-byte aligned rows and base: runtime/arguments.kernel_ready) for tiles of `rows` rows."""
     if t.dtype not in _DTYPES:
-        raise TensorMapError(f"no TMA data type for {t.dtype}; the kernels take float16 and bfloat16")
+        raise TensorMapError(f"no TMA data type for {t.dtype}; the kernels take float16 and bfloat16 (and a float32 "
+                             "dQ accumulator)")
     # The map is a function of these alone (encode_args), so a hit costs no arithmetic.
     key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), rows)
     with _lock:

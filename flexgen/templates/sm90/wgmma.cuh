@@ -106,3 +106,10 @@ __device__ __forceinline__ void wgmma_acc_coord(int tid, int i, int& row, int& c
     row = warp * 16 + (lane >> 2) + ((i >> 1) & 1) * 8;
     col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
 }
+
+// A compile-time flag as a value, to instantiate one step lambda twice (with and without a product): a run-time
+// branch around a wgmma makes ptxas serialise every wgmma of the kernel (C7513), a peeled loop does not.
+template <bool V>
+struct BoolConstant {
+    static constexpr bool value = V;
+};
