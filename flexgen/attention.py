@@ -228,6 +228,8 @@ def flex_attention(
         return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                   dropout_p, return_aux)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
+    if bm is not None:  # here, not only in the ops: they take the lengths from the inputs
+        check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
     if reason is not None:
@@ -239,8 +241,7 @@ def flex_attention(
         return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                      kernel_options, dropout_p, return_aux=return_aux)
     (score_token, score_buffers), (mask_token, mask_buffers) = score_parts, mask_parts
-    variant = variant_key(score_token, mask_token, tuple(bm.BLOCK_SIZE) if bm is not None else None,
-                          tuple(bm.seq_lengths) if bm is not None else None, kernel_options)
+    variant = variant_key(score_token, mask_token, _static_block_size(bm), kernel_options)
     buffers = [*score_buffers, *mask_buffers]
     if torch.is_grad_enabled() and not torch.compiler.is_compiling() and background_compile():
         _compile_backward_early(variant, query, key, value, buffers, bm, dropout_p)
@@ -262,6 +263,21 @@ def flex_attention(
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if want_max else None)
     return (out, lse) if return_lse else out
+
+
+def _static_block_size(bm: BlockMask | None) -> tuple[int, int] | None:
+    """The mask's BLOCK_SIZE as plain ints (kernels are built for one block size, and the variant key is a
+    constant of the graph)."""
+    return None if bm is None else (_constant_int(bm.BLOCK_SIZE[0]), _constant_int(bm.BLOCK_SIZE[1]))
+
+
+def _constant_int(n) -> int:
+    """n, specialized: under torch.compile(dynamic=True) the ints of a mask the compiled function captures are
+    symbolic, and int() keeps them so. Each bit tested below is a guard on n, so the sum is a constant. (n is a
+    block size, below 2**31.)"""
+    if not torch.compiler.is_compiling():
+        return int(n)
+    return sum(1 << i for i in range(31) if n // (1 << i) % 2)
 
 
 def _compile_backward_early(variant_key: str, query, key, value, buffers, bm, dropout_p: float) -> None:

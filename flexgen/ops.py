@@ -7,7 +7,7 @@
                             -> (dq, dk, dv, [d buffer for each index in buffer_grads])
 
 Ops carry only tensors and primitives: `variant` names an entry of flexgen.variant's registry
-(traced Mods, BLOCK_SIZE, seq_lengths, kernel_options); a negative `scale` (default_scale()) stands for 1/sqrt(D). `rng` is a CPU int64 tensor
+(traced Mods, BLOCK_SIZE, kernel_options; a block mask's lengths are the inputs'); a negative `scale` (default_scale()) stands for 1/sqrt(D). `rng` is a CPU int64 tensor
 (seed, offset) for dropout, or None. Gradients nobody needs come back as empty tensors,
 and the kernels do no work for them.
 
@@ -26,7 +26,7 @@ from torch import Tensor
 from .blockmask import BlockMask
 from .codegen.options import call_options
 from .runtime import backward as _backward_pass, forward as _forward_pass
-from .runtime.call_checks import (check_block_mask_shape, check_grid, check_scale, empty_like_layout, unfused_notice,
+from .runtime.call_checks import (check_block_grid, check_grid, check_scale, empty_like_layout, unfused_notice,
                                   unfused_reason)
 from .runtime.plan import make_spec
 from .variant import _VARIANTS, variant
@@ -50,10 +50,11 @@ def mask_tensors(bm: BlockMask | None) -> tuple:
     return tuple(getattr(bm, f) for f in MASK_FIELDS) if bm is not None else (None,) * len(MASK_FIELDS)
 
 
-def _block_mask(v, tensors, mask_mod=None) -> BlockMask | None:
+def _block_mask(v, tensors, q: Tensor, k: Tensor, mask_mod=None) -> BlockMask | None:
+    """The call's block mask; its lengths are the inputs' (flex_attention checked them against the mask's)."""
     if tensors[0] is None:
         return None
-    return BlockMask(v.seq_lengths, *tensors, v.block_size, mask_mod)
+    return BlockMask((q.shape[2], k.shape[2]), *tensors, v.block_size, mask_mod)
 
 
 def _reference(q, k, v, masks, buffers, scale, var):
@@ -61,7 +62,7 @@ def _reference(q, k, v, masks, buffers, scale, var):
     from .dsl.reference import reference_outputs
 
     score, mask = var.bind(buffers)
-    bm = _block_mask(var, masks, mask)
+    bm = _block_mask(var, masks, q, k, mask)
     return reference_outputs(q, k, v, score, None if bm is not None else mask, scale, q.shape[1] != k.shape[1], bm)
 
 
@@ -96,7 +97,7 @@ def _forward(q, k, v, masks, buffers, scale, variant_key, dropout_p, rng, return
         out, lse, row_max = _reference(q, k, v, masks, buffers, scale, var)
         return _in_layout_of(out, q), lse, row_max if return_max else q.new_empty(0, dtype=lse.dtype)
     score, mask = var.bind(buffers)
-    bm = _block_mask(var, masks)
+    bm = _block_mask(var, masks, q, k)
     extra = {"max_scores": True} if return_max else {}
     outputs = _forward_pass.forward_call(q, k, v, score, bm, mask, scale, var.kernel_options,
                                          **_dropout_kwargs(dropout_p, rng), **extra)
@@ -138,9 +139,9 @@ def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, v
     var = _VARIANTS.get(variant_key)
     if var is None:  # a key not made by flex_attention (the op called directly): nothing more to check
         return
-    bm = _block_mask(var, mask_tensors)
+    bm = _block_mask(var, mask_tensors, q, k)
     if bm is not None:
-        check_block_mask_shape(var.seq_lengths, bm.kv_num_blocks, q, k)
+        check_block_grid(bm, q, k)
     options = call_options(var.kernel_options)
     if q.device.type == "cuda" and not unfused:
         spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
@@ -174,7 +175,7 @@ def _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale,
     if unfused:
         return _unfused_backward(q, k, v, grad_out, grad_lse, masks, buffers, scale, var, need, buffer_grads)
     score, mask = var.bind(buffers)
-    bm = _block_mask(var, masks)
+    bm = _block_mask(var, masks, q, k)
     names = _buffer_names(score, mask)
     wanted = tuple(names[i] for i in buffer_grads)
     dq, dk, dv, grads = _backward_pass.backward_call(

@@ -251,7 +251,6 @@ class Variant:
     score: Mod | None
     mask: Mod | None
     block_size: tuple[int, int] | None
-    seq_lengths: tuple[int, int] | None
     kernel_options: dict
 
     bound: dict = field(default_factory=dict, compare=False, repr=False)
@@ -281,17 +280,19 @@ _MAX_VARIANTS = 4096
 
 
 @assume_constant_result
-def variant_key(score_token: str, mask_token: str, block_size, seq_lengths, kernel_options) -> str:
-    """The key the ops carry; registers what it stands for."""
+def variant_key(score_token: str, mask_token: str, block_size, kernel_options) -> str:
+    """The key the ops carry; registers what it stands for. (Not the block mask's lengths: the ops take them from
+    the inputs, which flex_attention has checked against the mask, so a mask's lengths made symbolic under
+    torch.compile(dynamic=True) never have to become constants here.)"""
     options = tuple(sorted((kernel_options or {}).items()))
-    key = repr((score_token, mask_token, block_size, seq_lengths, options))
+    key = repr((score_token, mask_token, block_size, options))
     if key in _VARIANTS:
         _VARIANTS.move_to_end(key)
     else:
         _VARIANTS[key] = Variant(
             mod_for_token(score_token) if score_token else None,
             mod_for_token(mask_token) if mask_token else None,
-            block_size, seq_lengths, dict(options),
+            block_size, dict(options),
         )
         if len(_VARIANTS) > _MAX_VARIANTS:
             _VARIANTS.popitem(last=False)

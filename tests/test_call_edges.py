@@ -417,11 +417,11 @@ def test_non_finite_scale(scale):
         flexgen.flex_attention(q, q, q, scale=scale)
     with FakeTensorMode(), pytest.raises(ValueError, match="scale must be a finite number"):
         x = torch.empty(B, H, L, D, dtype=torch.bfloat16)
-        _fake_fwd(x, x, variant_key("", "", None, None, None), scale=scale)
+        _fake_fwd(x, x, variant_key("", "", None, None), scale=scale)
 
 
 def test_fake_kernel_checks_kernel_options():
-    key = variant_key("", "", None, None, {"pingpong": "False"})  # as a variant registered by another route
+    key = variant_key("", "", None, {"pingpong": "False"})  # as a variant registered by another route
     with FakeTensorMode(), pytest.raises(OptionError, match="pingpong must be True or False"):
         x = torch.empty(B, H, L, D, dtype=torch.bfloat16)
         _fake_fwd(x, x, key)
@@ -429,7 +429,7 @@ def test_fake_kernel_checks_kernel_options():
 
 def test_fake_kernel_checks_the_block_mask_against_the_inputs():
     mask = flexgen.create_block_mask(flexgen.variants.causal, None, None, 2 * L, 2 * L, device="cpu").to(META)
-    key = variant_key("", flexgen.variants.causal.token, tuple(mask.BLOCK_SIZE), tuple(mask.seq_lengths), None)
+    key = variant_key("", flexgen.variants.causal.token, tuple(mask.BLOCK_SIZE), None)
     q = meta(B, H, L, D)
     with pytest.raises(ValueError, match="Q_LEN"):
         _fake_fwd(q, q, key, mask=mask)  # meta tensors run the fake kernel
@@ -440,12 +440,12 @@ def test_fake_kernel_checks_the_block_mask_against_the_inputs():
 @pytest.mark.parametrize("options,match", [({"BLOCK_M": 16}, "allowed values"), ({"family": "sm90", "BLOCK_N": 64}, "tiles are fixed")])
 def test_fake_kernel_on_a_cuda_device_plans_the_kernel(hopper, options, match):
     """Fake CUDA tensors (what torch.compile traces on a GPU) have an architecture: the fake kernel plans."""
-    key = variant_key("", "", None, None, options)
+    key = variant_key("", "", None, options)
     with FakeTensorMode():
         x = torch.empty(B, H, L, D, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match=match):
             _fake_fwd(x, x, key)
-        _fake_fwd(x, x, variant_key("", "", None, None, {"BLOCK_M": 64}))  # a tile the family takes
+        _fake_fwd(x, x, variant_key("", "", None, {"BLOCK_M": 64}))  # a tile the family takes
 
 
 def test_fake_kernel_checks_the_grid():

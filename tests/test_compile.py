@@ -353,7 +353,7 @@ def test_token_and_variant_registries_are_bounded_and_hold_no_tensors(monkeypatc
     alive = weakref.ref(slopes)
     for cap in range(1, 30):
         m = flexgen.variants.softcap(float(cap))
-        variant_mod.variant_key(m.token, "", None, None, None)
+        variant_mod.variant_key(m.token, "", None, None)
     alibi = flexgen.variants.alibi(slopes)
     token = alibi.token
     assert len(mod_mod._BY_TOKEN) <= 8 and len(variant_mod._VARIANTS) <= 8

@@ -242,10 +242,42 @@ def test_dynamic_shapes_trace_the_call_once():
     assert backend.frame_count == 1
 
 
-# (A module-level mask: one captured in a closure has its lengths made symbolic under dynamic=True, which the
-# variant key cannot take; that case still breaks the graph.)
 _GLOBAL_MASK = flexgen.create_block_mask(CAUSAL, 1, 1, 128, 128, device="cpu")
 
 
 def _call_with_global_mask(q, k, v):
     return flexgen.flex_attention(q, k, v, block_mask=_GLOBAL_MASK, score_mod=SOFTCAP)
+
+
+def test_a_captured_mask_under_dynamic_shapes_keeps_one_graph():
+    """As PyTorch's dynamic-shape tests call it: flex_attention in a functools.partial holding a block mask,
+    compiled with dynamic=True and fullgraph=True. The mask's lengths are symbolic there; a second length with its
+    own mask runs the same graph (one frame), and both match the float64 reference."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    for b, length in ((3, 512), (5, 256)):  # (sizes that differ, so duck sizing ties none of them together)
+        q, k, v = (t.requires_grad_() for t in _inputs(torch.float32, b=b, h=7, lq=length, lkv=length))
+        mask = flexgen.create_block_mask(CAUSAL, 1, 1, length, length, device="cpu")
+        call = functools.partial(flexgen.flex_attention, score_mod=SOFTCAP, block_mask=mask)
+        out = _quiet(torch.compile(call, backend=backend, dynamic=True, fullgraph=True), q, k, v)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want, _ = _dense(q64, k64, v64, softcap=20.0, causal=True)
+        assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5
+        g = torch.randn_like(want)
+        got = torch.autograd.grad((out.double() * g).sum(), (q, k, v))
+        ref = torch.autograd.grad((want * g).sum(), (q64, k64, v64))
+        for a, r in zip(got, ref):
+            assert (a.double() - r).abs().max().item() < 1e-4 * max(r.abs().max().item(), 1.0)
+        assert backend.frame_count == 1
+
+
+def test_a_mask_for_other_lengths_is_refused_under_compile():
+    q, k, v = _inputs(torch.float32, lq=128, lkv=128)
+    mask = flexgen.create_block_mask(CAUSAL, 1, 1, 256, 256, device="cpu")
+    compiled = torch.compile(flexgen.flex_attention, backend="aot_eager", dynamic=True, fullgraph=True)
+    with pytest.raises(Exception, match="Q_LEN"):
+        _quiet(compiled, q, k, v, block_mask=mask)

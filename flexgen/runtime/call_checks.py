@@ -71,6 +71,22 @@ def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torc
         raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
 
 
+def check_block_grid(bm, query: torch.Tensor, key: torch.Tensor) -> None:
+    """A block mask as the ops get it, its lengths taken from the inputs: its grid of blocks must be the one those
+    lengths need (what check_block_mask_shape's length check is to flex_attention); then its B, H and device."""
+    bq, bkv = bm.BLOCK_SIZE
+    rows, cols = bm.kv_indices.shape[-2], bm.kv_indices.shape[-1]
+    q_len, kv_len = query.shape[2], key.shape[2]
+    need_rows, need_cols = -(-q_len // bq), -(-kv_len // bkv)
+    if rows < need_rows or cols != need_cols:
+        raise ValueError(
+            f"flex_attention: the block mask has {rows} x {cols} blocks of {tuple(bm.BLOCK_SIZE)}, but inputs of "
+            f"(Q_LEN, KV_LEN) = ({q_len}, {kv_len}) need {need_rows} x {need_cols}; build it with "
+            f"create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
+        )
+    check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
+
+
 def dim_order(t: torch.Tensor) -> list[int]:
     """t's dimensions outermost first, as its strides order them (PyTorch keeps the query's order for
     the output): broadcast (stride 0) and size-1 dimensions outermost, the head dim always innermost
