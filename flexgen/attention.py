@@ -10,13 +10,14 @@ import sys
 
 import torch
 
-from .blockmask import LARGE_BLOCK_SIZE, BlockMask
+from .blockmask import LARGE_BLOCK_SIZE, BlockMask, _sliced_mask_mod
 from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
 from .runtime.call_checks import UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, unfused_notice, unfused_reason
 from .runtime.plan import DTYPES
+from .warnings_once import warn_once_key
 
 try:  # PyTorch's own classes where the installed torch has them, so isinstance and field access match
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -50,7 +51,9 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     if query.device.type not in ("cuda", "meta", "cpu"):  # meta: shapes only (the ops' fake kernels)
         raise ValueError(f"flex_attention: tensors on {query.device}; flexgen runs on CUDA devices (and, unfused, on the CPU)")
     if not (query.device == key.device == value.device):
-        raise ValueError(f"flex_attention: query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+        raise ValueError(f"flex_attention: Expected query, key, and value to have the same device type, but got "
+                         f"query.device: {query.device}, key.device: {key.device}, and value.device: {value.device} "
+                         "instead (they must be on one device)")
     if not (query.dtype == key.dtype == value.dtype):
         raise DtypeMismatchError(
             "flex_attention: Expected query, key, and value to have the same dtype, but got "
@@ -62,7 +65,7 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     bq, hq, _, d = query.shape
     bk, hk, lk, dk = key.shape
     bv, hv, lv, dv = value.shape
-    if bk != bv or bk not in (1, bq):
+    if bk != bv or not (bk == 1 or bk == bq):  # (not `in`: dynamo misjudges it on symbolic sizes)
         raise ValueError(f"flex_attention: batch sizes differ: query {bq}, key {bk}, value {bv}; key and value need "
                          "the query's batch size, or 1 to share one key/value across the batch")
     if hk != hv or lk != lv:
@@ -77,6 +80,15 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     if query.shape[2] == 0 or lk == 0:
         raise ValueError("flex_attention: sequence lengths must be at least 1")
     check_grid(bq, hq)
+
+
+def _refuse_sliced_mask(block_mask) -> None:
+    """A sliced BlockMask (flexgen's or PyTorch's) has a stub for its mask_mod: say so before any length check, as
+    PyTorch does."""
+    stub = getattr(block_mask, "mask_mod", None)
+    if stub is _sliced_mask_mod or getattr(stub, "__name__", "") == "_sliced_mask_mod_error":
+        raise RuntimeError("flex_attention: Cannot use mask_mod from a sliced BlockMask: this BlockMask was sliced "
+                           "(block_mask[...]); set its mask_mod to one written for the slice, or build a new mask")
 
 
 def _refuse_unfused_dropout(reason: str, dropout_p: float) -> None:
@@ -97,6 +109,9 @@ def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, sc
     if torch.compiler.is_compiling():  # a graph break: dynamo need not trace the chunked loops
         run = torch.compiler.disable(reference_outputs, reason="flexgen's unfused path runs eagerly")
     out, lse, row_max = run(query, key, value, score_mod, None, scale, enable_gqa, bm)
+    from .ops import _in_layout_of
+
+    out = _in_layout_of(out, query)  # the query's dimension order, as the kernels' output and PyTorch's have it
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if return_aux.max_scores else None)
     return (out, lse) if return_lse else out
@@ -208,6 +223,7 @@ def flex_attention(
 
     _check_inputs(query, key, value, enable_gqa)
     _check_mods(score_mod, block_mask)
+    _refuse_sliced_mask(block_mask)
     block_mask = _without_unbounded_block(block_mask, query, key)
     check_scale(scale)
     # (None by default rather than 0.0: a float default becomes a symbolic input under torch.compile(dynamic=True),
@@ -215,8 +231,11 @@ def flex_attention(
     dropout_p = 0.0 if dropout_p is None else dropout_p
     check_dropout_range(dropout_p)
     if return_lse and return_aux is not None:
-        raise ValueError("flex_attention: pass return_aux=AuxRequest(lse=True) or return_lse=True, not both "
-                         "(return_lse is PyTorch's deprecated spelling)")
+        raise ValueError("flex_attention: Cannot specify both return_lse and return_aux: pass "
+                         "return_aux=AuxRequest(lse=True) or return_lse=True, not both (return_lse is deprecated)")
+    if return_lse and not torch.compiler.is_compiling():  # (a warning would break a compiled graph)
+        warn_once_key("deprecated_return_lse", "flex_attention: return_lse is deprecated, as in PyTorch; use "
+                      "return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=2)
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise TypeError(f"flex_attention: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
     kernel_options = dict(_checked_options(kernel_options))

@@ -111,6 +111,12 @@ class BlockMask:
     BLOCK_SIZE: tuple[int, int]
     mask_mod: Any
 
+    def __post_init__(self):
+        # (AssertionError, as PyTorch's BlockMask raises for these)
+        for kind in ("kv", "q"):
+            if (getattr(self, f"full_{kind}_num_blocks") is None) != (getattr(self, f"full_{kind}_indices") is None):
+                raise AssertionError(f"BlockMask: full_{kind}_num_blocks and full_{kind}_indices must be both provided or omitted")
+
     # ------------------------------------------------------------ construction
     @classmethod
     def from_kv_blocks(
@@ -122,9 +128,12 @@ class BlockMask:
         BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
         mask_mod: Callable | Mod | None = None,
         seq_lengths: tuple[int, int] | None = None,
+        compute_q_blocks: bool = True,
     ) -> "BlockMask":
         """A mask from PyTorch's lists: for each query block, `kv_num_blocks` partial KV blocks
         listed first in `kv_indices` (mask_mod applied), and optionally the full ones.
+        compute_q_blocks=False leaves the transposed lists out (the forward does not read them; a backward
+        builds them when it needs them).
 
         Shapes (B, H, nQ) and (B, H, nQ, nKV) (B and H may be left out, or be 1 to broadcast).
         Everything is checked here: counts within a row's length, block numbers within the
@@ -145,7 +154,7 @@ class BlockMask:
         kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where)
         partial = _lists_to_dense(kv_num_blocks, kv_indices, n_kv)
         check.no_repeats(kv_num_blocks, partial, "kv", where)
-        q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2))
+        q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2)) if compute_q_blocks else (None, None)
         fq_num = fq_idx = None
         if full_kv_num_blocks is not None:
             full_kv_num_blocks, full_kv_indices = check.block_lists(full_kv_num_blocks, full_kv_indices, kv_blocks,
@@ -158,7 +167,8 @@ class BlockMask:
             full = _lists_to_dense(full_kv_num_blocks, full_kv_indices, n_kv)
             check.no_repeats(full_kv_num_blocks, full, "full_kv", where)
             check.disjoint(partial, full, where)
-            fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
+            if compute_q_blocks:
+                fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
         return cls(
             seq_lengths=tuple(seq_lengths),
             kv_num_blocks=kv_num_blocks,
@@ -427,7 +437,6 @@ def create_block_mask(
     if mod is None:
         full = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
-        B_, H_ = 1, 1
     else:
         from .dsl.ir import inputs_of, inputs_outside_loads
 

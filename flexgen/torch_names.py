@@ -1,10 +1,11 @@
 """The private names of `torch.nn.attention.flex_attention` that code written for it imports (PyTorch's own
 FlexAttention tests among it), so that moving such code to flexgen stays a one-line import change.
 
-flexgen's own: the mod signatures, `_identity`, the block sizes and `_create_empty_block_mask` (a block mask
-that masks nothing at any length; `flex_attention` treats it as no block mask). PyTorch's, handed through
+flexgen's own: the mod signatures, `_identity`, the block sizes, `_create_empty_block_mask` (a block mask
+that masks nothing at any length; `flex_attention` treats it as no block mask) and `_WARNINGS_SHOWN` (the keys of
+the once-only warnings it shares with PyTorch, such as return_lse's deprecation; clearing it shows them again). PyTorch's, handed through
 because they are PyTorch's machinery rather than part of the attention operator: `_apply_kernel_options`,
-`_WARNINGS_SHOWN`, `flex_attention_hop`, and the public `FlexKernelOptions` type (flexgen takes its keys and says
+`flex_attention_hop`, and the public `FlexKernelOptions` type (flexgen takes its keys and says
 which it ignores). They are imported only when asked for: they load torch's compiler stack.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .blockmask import DEFAULT_BLOCK_SIZE, LARGE_BLOCK_SIZE, BlockMask
+from .warnings_once import _WARNINGS_SHOWN  # noqa: F401  (exported under PyTorch's name)
 
 _score_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 _mask_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -37,7 +39,6 @@ def _create_empty_block_mask(query: Tensor, key: Tensor) -> BlockMask:
 _FROM_TORCH = {
     "FlexKernelOptions": "torch.nn.attention.flex_attention",
     "_apply_kernel_options": "torch.nn.attention.flex_attention",
-    "_WARNINGS_SHOWN": "torch.nn.attention.flex_attention",
     "flex_attention_hop": "torch._higher_order_ops.flex_attention",
 }
 _TORCH_NAME = {"flex_attention_hop": "flex_attention"}

@@ -112,7 +112,7 @@ def _children(obj) -> list[tuple[tuple, Any]]:
     """(step, value) pairs _follow can take from obj: a closure's cells, the module globals its code
     names and its default arguments; a bound method's function and owner; a functools.partial's
     function and arguments; the items of a tuple, list or dict (a closure over several functions,
-    such as and_masks'); a Module's parameters, buffers and attributes."""
+    such as and_masks'); a Module's parameters, buffers and attributes; a plain object's attributes."""
     if isinstance(obj, Mod):
         return [(("mod", i), t) for i, t in enumerate(obj.buffer_tensors)]
     if isinstance(obj, torch.nn.Module):
@@ -127,6 +127,8 @@ def _children(obj) -> list[tuple[tuple, Any]]:
                 + [(("partial_kw", k), x) for k, x in obj.keywords.items()])
     if hasattr(obj, "__self__") and hasattr(obj, "__func__"):
         return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
+    if _is_plain_object(obj):  # an instance of a user class (PyTorch's PagedAttention keeps its page tables so)
+        return [(("attr", n), x) for n, x in vars(obj).items() if not n.startswith("__")]
     out: list[tuple[tuple, Any]] = []
     code = getattr(obj, "__code__", None)
     if code is not None:
@@ -145,9 +147,15 @@ def _children(obj) -> list[tuple[tuple, Any]]:
     return out
 
 
+def _is_plain_object(obj) -> bool:
+    """An instance with attributes of its own that is not a function, class or module."""
+    return (hasattr(obj, "__dict__") and not hasattr(obj, "__code__")
+            and not isinstance(obj, (type, types.ModuleType, torch.Tensor, functools.partial)))
+
+
 def _may_hold_tensors(obj) -> bool:
-    """Whether _find looks inside obj (functions, Mods, Modules and containers of them)."""
-    return callable(obj) or isinstance(obj, (Mod, torch.nn.Module, tuple, list, dict))
+    """Whether _find looks inside obj (functions, Mods, Modules, plain objects and containers of them)."""
+    return callable(obj) or isinstance(obj, (Mod, torch.nn.Module, tuple, list, dict)) or _is_plain_object(obj)
 
 
 def _find(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:

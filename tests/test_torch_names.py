@@ -37,7 +37,7 @@ def test_the_names_pytorchs_tests_import_exist():
 
     assert _DEFAULT_SPARSE_BLOCK_SIZE == torch_flex_module._DEFAULT_SPARSE_BLOCK_SIZE
     assert _LARGE_SPARSE_BLOCK_SIZE == torch_flex_module._LARGE_SPARSE_BLOCK_SIZE
-    assert _WARNINGS_SHOWN is torch_flex_module._WARNINGS_SHOWN
+    assert isinstance(_WARNINGS_SHOWN, set)
     assert "_identity" not in flexgen.__all__  # private, as in PyTorch
     assert set(torch_flex_module.__all__) <= set(flexgen.__all__)  # and every public name
     assert flexgen.FlexKernelOptions is torch_flex_module.FlexKernelOptions
@@ -62,3 +62,19 @@ def test_an_unbounded_block_with_a_mask_mod_is_rebuilt_for_the_lengths():
                                           seq_lengths=(1, 1))
     keep = torch.arange(70)[:, None] + 60 >= torch.arange(130)[None, :]
     assert (_flex(q, k, v, block_mask=bm) - _dense(q, k, v, keep)).abs().max().item() < 1e-12
+
+
+def test_return_lse_warns_once_until_the_shown_set_is_cleared():
+    """As PyTorch's deprecation test does it: clear _WARNINGS_SHOWN, call with return_lse=True, see the FutureWarning."""
+    from flexgen import _WARNINGS_SHOWN
+
+    q = torch.randn(1, 2, 16, 16)
+    _WARNINGS_SHOWN.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flexgen.flex_attention(q, q, q, return_lse=True)
+        flexgen.flex_attention(q, q, q, return_lse=True)
+    deprecations = [w for w in caught if issubclass(w.category, FutureWarning) and "return_lse is deprecated" in str(w.message)]
+    assert len(deprecations) == 1
+    with pytest.raises(ValueError, match="Cannot specify both return_lse and return_aux"):
+        flexgen.flex_attention(q, q, q, return_lse=True, return_aux=flexgen.AuxRequest(lse=True))

@@ -205,7 +205,7 @@ def int_literal(value: int, dtype: DType) -> str:
 # built with the `precise_math` option; on the host (tests) they are the libm functions.
 _UNARY_FLOAT_FN = {
     "exp": "fg_exp", "exp2": "exp2f", "log": "fg_log", "log2": "fg_log2", "sqrt": "sqrtf", "rsqrt": "rsqrtf",
-    "tanh": "fg_tanh", "sigmoid": "fg_sigmoid", "sin": "sinf", "cos": "cosf", "erf": "erff",
+    "tanh": "fg_tanh", "sigmoid": "fg_sigmoid", "sin": "sinf", "cos": "cosf", "tan": "tanf", "erf": "erff",
     "log1p": "log1pf", "atan": "atanf", "floor": "floorf", "ceil": "ceilf", "trunc": "truncf",
     "round": "rintf",  # the default rounding mode: half to even, like torch.round
     "round_to_fp16": "fg_round_fp16", "round_to_bf16": "fg_round_bf16", "isnan": "fg_isnan",

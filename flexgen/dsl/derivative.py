@@ -125,6 +125,7 @@ _UNARY_LOCAL = {
     "sigmoid": lambda a, f: ir.binary("mul", f, ir.binary("sub", _k(1.0), f)),
     "sin": lambda a, f: ir.unary("cos", a),
     "cos": lambda a, f: ir.unary("neg", ir.unary("sin", a)),
+    "tan": lambda a, f: ir.binary("add", _k(1.0), ir.binary("mul", f, f)),
     "erf": lambda a, f: ir.binary(
         "mul", _k(_TWO_OVER_SQRT_PI), ir.unary("exp", ir.unary("neg", ir.binary("mul", a, a)))
     ),

@@ -31,6 +31,7 @@ _UNARY = {
     "sigmoid": torch.sigmoid,
     "sin": torch.sin,
     "cos": torch.cos,
+    "tan": torch.tan,
     "erf": torch.erf,
     "log1p": torch.log1p,
     "atan": torch.atan,

@@ -43,7 +43,7 @@ INPUT_DTYPES = {
 }
 
 UNARY_FLOAT_OPS = (
-    "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "erf", "log1p", "atan",
+    "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos", "tan", "erf", "log1p", "atan",
 )
 # Rounding to an integral value keeps the operand's type (on integers they are the identity).
 ROUNDING_OPS = ("floor", "ceil", "round", "trunc")  # round: half to even, like torch.round

@@ -794,6 +794,21 @@ class Proxy:
     def dtype(self) -> torch.dtype:
         return _IR_TO_TORCH_DTYPE[self.node.dtype]
 
+    # A mod sees each score and index as one element (a 0-d tensor under PyTorch's vmap): so its shape is ().
+    shape = torch.Size([])
+    ndim = 0
+
+    def size(self, dim: int | None = None):
+        if dim is not None:
+            raise self.tracer.error(IndexingError, f".size({dim}) of a 0-d value: a mod's values are scalars")
+        return torch.Size([])
+
+    def dim(self) -> int:
+        return 0
+
+    def numel(self) -> int:
+        return 1
+
     @property
     def device(self) -> None:
         """Unknown until the kernel runs; None is what torch takes as "unspecified"

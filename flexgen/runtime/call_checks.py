@@ -58,16 +58,18 @@ def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torc
     """The mask's (Q_LEN, KV_LEN), B and H against the inputs', and its device."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if tuple(seq_lengths) != (q_len, kv_len):
+        shape = (*kv_num_blocks.shape[:2], *seq_lengths)
         raise ValueError(
-            f"flex_attention: the block mask was built for (Q_LEN, KV_LEN) = {tuple(seq_lengths)} but the inputs "
-            f"have ({q_len}, {kv_len}); build it with create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
+            f"flex_attention: block_mask was created for block_mask.shape={shape} but got q_len={q_len} and "
+            f"kv_len={kv_len}: it was built for (Q_LEN, KV_LEN) = {tuple(seq_lengths)}; build it with "
+            f"create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
         )
     if kv_num_blocks.device != query.device:
         raise ValueError(f"flex_attention: the block mask is on {kv_num_blocks.device} but the inputs are on "
                          f"{query.device}; use block_mask.to(device)")
     b, h = query.shape[0], query.shape[1]
     mb, mh = kv_num_blocks.shape[0], kv_num_blocks.shape[1]
-    if mb not in (1, b) or mh not in (1, h):
+    if not (mb == 1 or mb == b) or not (mh == 1 or mh == h):  # (not `in`: dynamo misjudges it on symbolic sizes)
         raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
 
 

@@ -1,0 +1,143 @@
+"""Behaviours PyTorch's own FlexAttention tests rely on, on the CPU (the unfused float64 path, and under
+torch.compile the custom ops running it): each against a dense float64 reference written out here."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import BlockMask
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _qkv(b=2, h=2, lq=128, lkv=128, d=16, dtype=torch.float32):
+    return tuple(torch.randn(b, h, n, d, dtype=dtype) for n in (lq, lkv, lkv))
+
+
+def _dense(q, k, v, bias=None, visible=None):
+    """softmax(q k^T / sqrt(D) + bias, masked) v in float64."""
+    q, k, v = (t.double() for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+class _Pages:
+    """A plain object keeping a tensor, as PyTorch's PagedAttention keeps its page tables."""
+
+    def __init__(self, n):
+        self.table = torch.randn(n, dtype=torch.float64)
+
+
+def test_a_tensor_on_a_plain_object_is_found_under_compile():
+    pages = _Pages(128)
+    mod = lambda s, b, h, q_idx, kv_idx: s + pages.table[kv_idx]  # noqa: E731
+    q, k, v = _qkv()
+    compiled = torch.compile(flexgen.flex_attention, backend="aot_eager", fullgraph=True)
+    out = _quiet(compiled, q, k, v, score_mod=mod)
+    assert not torch.isnan(out).any()
+    assert (out.double() - _dense(q, k, v, bias=pages.table)).abs().max().item() < 1e-5
+    pages.table = pages.table * 3  # rebound: the compiled call reads the new tensor
+    out = _quiet(compiled, q, k, v, score_mod=mod)
+    assert (out.double() - _dense(q, k, v, bias=pages.table)).abs().max().item() < 1e-5
+
+
+def test_a_noop_mask_keeps_b_and_h():
+    assert flexgen.create_block_mask(flexgen.noop_mask, 4, 2, 512, 256, device="cpu").shape == (4, 2, 512, 256)
+    assert flexgen.create_block_mask(flexgen.noop_mask, None, None, 512, 256, device="cpu").shape == (1, 1, 512, 256)
+
+
+def test_a_sliced_mask_is_refused_before_its_lengths_are_checked():
+    mask = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 2, 2, 256, 256, device="cpu")
+    q, k, v = _qkv(lq=64, lkv=64)
+    with pytest.raises(RuntimeError, match="Cannot use mask_mod from a sliced BlockMask"):
+        flexgen.flex_attention(q, k, v, block_mask=mask[1])
+
+
+def test_pytorchs_messages_for_lengths_and_devices():
+    mask = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 256, 256, device="cpu")
+    q, k, v = _qkv(lq=128, lkv=128)
+    with pytest.raises(ValueError, match="block_mask was created for"):
+        flexgen.flex_attention(q, k, v, block_mask=mask)
+    meta = torch.empty(q.shape, device="meta")
+    with pytest.raises(ValueError, match="Expected query, key, and value to have the same device type"):
+        flexgen.flex_attention(q, meta, v)
+
+
+def test_mismatched_full_lists_are_an_assertion_error():
+    n = torch.ones(1, 1, 1, dtype=torch.int32)
+    i = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="full_kv_num_blocks and full_kv_indices"):
+        BlockMask((128, 128), n, i, n, None, None, None, None, None, (128, 128), None)
+    with pytest.raises(AssertionError, match="full_q_num_blocks and full_q_indices"):
+        BlockMask((128, 128), n, i, None, None, n, i, None, i, (128, 128), None)
+
+
+def test_a_mask_without_q_lists_attends_and_differentiates():
+    counts = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    indices = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=128, compute_q_blocks=False)
+    assert mask.q_num_blocks is None and mask.q_indices is None and mask.full_q_num_blocks is None
+    q, k, v = (t.double().requires_grad_() for t in _qkv(lq=256, lkv=256))
+    out = _quiet(flexgen.flex_attention, q, k, v, block_mask=mask)
+    blocks = torch.tensor([[True, False], [True, True]])
+    visible = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = _dense(q64, k64, v64, visible=visible)
+    assert (out - want).abs().max().item() < 1e-10
+    g = torch.randn_like(want)
+    for got, ref in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((want * g).sum(), (q64, k64, v64))):
+        assert (got - ref).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tan_in_a_score_mod(compiled):
+    mod = lambda s, b, h, q_idx, kv_idx: torch.sin(torch.cos(s)) + torch.tan(b)  # noqa: E731 (PyTorch's _trig)
+    q, k, v = (t.double().requires_grad_() for t in _qkv())
+    call = torch.compile(flexgen.flex_attention, backend="aot_eager", fullgraph=True) if compiled else flexgen.flex_attention
+    out = _quiet(call, q, k, v, score_mod=mod)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    want = torch.softmax(torch.sin(torch.cos(s)) + torch.tan(torch.arange(2.0, dtype=torch.float64))[:, None, None, None], -1) @ v64
+    assert (out - want).abs().max().item() < 1e-10
+    (got,), (ref,) = torch.autograd.grad(out.sum(), (q,)), torch.autograd.grad(want.sum(), (q64,))
+    assert (got - ref).abs().max().item() < 1e-10
+
+
+def test_new_zeros_of_an_index_shape_under_compile():
+    """PyTorch's test_new_empty_mask_mod: a mod's values are 0-d, so h.new_zeros(h.shape) is the scalar 0."""
+    n = 128
+    keep = torch.rand(3, 1, n, n) > 0.3
+    keep[..., 0] = True  # every row sees a key
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + keep[b, h.new_zeros(h.shape), q_idx, kv_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return keep[b, h.new_zeros(h.shape), q_idx, kv_idx]
+
+    q, k, v = _qkv(b=3, h=1, lq=n, lkv=n)
+    mask = flexgen.create_block_mask(mask_mod, B=3, H=None, Q_LEN=n, KV_LEN=n, device="cpu")
+    out = _quiet(torch.compile(flexgen.flex_attention, backend="aot_eager", fullgraph=True), q, k, v, score_mod,
+                 block_mask=mask)
+    want = _dense(q, k, v, bias=keep.double(), visible=keep)
+    assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5
+
+
+def test_the_unfused_output_keeps_the_querys_dimension_order():
+    q = torch.randn(4, 2, 64, 16).transpose(0, 1)  # (B, H, L, D) with H outermost in memory
+    k, v = torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16)
+    out = _quiet(flexgen.flex_attention, q, k, v)
+    assert out.stride() == q.stride()
+    assert (out.double() - _dense(q, k, v)).abs().max().item() < 1e-5
