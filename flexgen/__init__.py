@@ -29,7 +29,7 @@ _EXPORTS = {
     "flex_attention": ".attention",
     "AuxRequest": ".attention",
     "AuxOutput": ".attention",
-    "create_block_mask": ".blockmask",
+    "create_block_mask": ".make_block_mask",
     "create_mask": ".blockmask",
     "block_sparse_mask": ".blockmask",
     "BlockMask": ".blockmask",

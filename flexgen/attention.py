@@ -54,10 +54,14 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
         raise ValueError(f"flex_attention: Expected query, key, and value to have the same device type, but got "
                          f"query.device: {query.device}, key.device: {key.device}, and value.device: {value.device} "
                          "instead (they must be on one device)")
-    if not (query.dtype == key.dtype == value.dtype):
+    mixed = not (query.dtype == key.dtype == value.dtype)
+    if mixed and (key.dtype != value.dtype or not key.dtype.is_floating_point):
+        # (PyTorch takes key / value of another precision than the query's, float8 among them; flexgen runs such
+        # calls on its unfused path, and the output has the query's dtype)
         raise DtypeMismatchError(
             "flex_attention: Expected query, key, and value to have the same dtype, but got "
-            f"query.dtype: {query.dtype}, key.dtype: {key.dtype}, and value.dtype: {value.dtype} instead."
+            f"query.dtype: {query.dtype}, key.dtype: {key.dtype}, and value.dtype: {value.dtype} instead "
+            "(or key and value of one floating dtype unlike the query's, which run unfused)"
         )
     if query.dtype not in DTYPES and query.dtype not in UNFUSED_DTYPES:
         raise TypeError(f"flex_attention: dtype {query.dtype} is not supported; use torch.bfloat16 or torch.float16 "
@@ -133,7 +137,7 @@ def _without_unbounded_block(block_mask, query, key):
     length: without an element mask it is no block mask at all, and with one it is rebuilt for these lengths."""
     if block_mask is None or tuple(block_mask.BLOCK_SIZE) != (LARGE_BLOCK_SIZE, LARGE_BLOCK_SIZE):
         return block_mask
-    from .blockmask import create_block_mask
+    from .make_block_mask import create_block_mask
     from .variant import mod_parts
 
     mask_mod = getattr(block_mask, "mask_mod", None)

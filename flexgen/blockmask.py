@@ -29,14 +29,9 @@ _EVAL_CHUNK_ELEMENTS = 1 << 24
 
 def _as_mask_mod(mask_mod) -> Mod | None:
     """A Mod for `mask_mod`, or None for "no element mask" (noop)."""
-    if mask_mod is None:
-        return None
-    from .dsl.api import mask_mod as trace_mask, noop_mask
+    from .dsl.api import as_mask_mod
 
-    mod = trace_mask(mask_mod)
-    if mod is noop_mask or (mod.expr.op == "const" and mod.expr.attr is True):
-        return None
-    return mod
+    return as_mask_mod(mask_mod)
 
 
 def _sliced_mask_mod(b, h, q_idx, kv_idx):
@@ -406,49 +401,23 @@ def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> 
     return full, still
 
 
-def create_block_mask(
-    mask_mod,
-    B: int | None,
-    H: int | None,
-    Q_LEN: int,
-    KV_LEN: int,
-    device: str | torch.device | None = None,
-    BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-    _compile: bool = False,
-) -> BlockMask:
-    """Block mask for `mask_mod` (a plain FlexAttention-style function, a flexgen Mod or text).
-
-    Tiles are classified by static analysis of the traced mask where it can decide them
-    (causal, windows, prefixes: no element is evaluated); the rest are evaluated on
-    `device`, a chunk of tiles at a time. B or H of None broadcasts (size 1). device=None
-    picks as PyTorch does: the current accelerator (CUDA), else the CPU.
-    """
-    where = "create_block_mask"
-    for name, value in (("B", B), ("H", H)):
-        if value is not None and (check.as_int(value) is None or value <= 0):
-            raise ValueError(f"{where}: {name} must be a positive int or None (broadcast), got {value!r}")
-    if any(check.as_int(n) is None or n <= 0 for n in (Q_LEN, KV_LEN)):
-        raise ValueError(f"{where}: Q_LEN and KV_LEN must be positive ints, got {Q_LEN!r} and {KV_LEN!r}")
-    bq, bkv = check.block_size(BLOCK_SIZE, where)
-    mod = _as_mask_mod(mask_mod)
-    device = _default_device() if device is None else torch.device(device)
+def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: int, bkv: int, device) -> BlockMask:
+    """The block mask of a traced mask (None: no element mask), of batch and head size 1 where the mask does not
+    read b or h (mask_batch_heads), else B and H."""
     n_q, n_kv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
-    B_, H_ = B or 1, H or 1
     if mod is None:
         full = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
     else:
-        from .dsl.ir import inputs_of, inputs_outside_loads
-
-        used = inputs_of(mod.expr)
-        nb = B_ if "b" in used else 1
-        nh = H_ if "h" in used else 1
+        nb, nh = mask_batch_heads(mod, B, H)
         full = torch.zeros(nb, nh, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
         # When b and h reach the mask only through buffer indices (documents per batch row), one
         # analysis over all (b, h) decides what a per-(b, h) one would; the rest is evaluated per
         # (b, h) below either way. Masks whose structure depends on b or h (per-head windows) are
         # analysed per (b, h).
+        from .dsl.ir import inputs_outside_loads
+
         shared = None if inputs_outside_loads(mod.expr) & {"b", "h"} else _classify(mod, Q_LEN, KV_LEN, bq, bkv, (0, nb), (0, nh))
         for b in range(nb):
             for h in range(nh):
@@ -456,8 +425,17 @@ def create_block_mask(
         if partial.any():
             refined_full, partial = _refine(mod, partial, Q_LEN, KV_LEN, bq, bkv, device)
             full |= refined_full
-    mask = BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN), mod)
-    return mask._broadcast_to(B_, H_)
+    return BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN), mod)
+
+
+def mask_batch_heads(mod: Mod | None, B, H) -> tuple:
+    """(B or 1, H or 1): 1 where the mask does not read b (h), so its lists are stored once and broadcast."""
+    if mod is None:
+        return 1, 1
+    from .dsl.ir import inputs_of
+
+    used = inputs_of(mod.expr)
+    return (B if "b" in used else 1), (H if "h" in used else 1)
 
 
 def block_sparse_mask(layout: torch.Tensor, BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, seq_lengths=None) -> BlockMask:

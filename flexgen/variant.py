@@ -71,10 +71,10 @@ def _trace(fn, kind: str) -> Mod | None:
 
 def _traced(fn, kind: str) -> Mod | None:
     """The Mod of a score_mod / mask_mod; None for no score_mod and for a mask that keeps everything."""
-    from .blockmask import _as_mask_mod
+    from .dsl.api import as_mask_mod
 
     mod = _trace(fn, kind)
-    return _as_mask_mod(mod) if kind == "mask" else mod
+    return as_mask_mod(mod) if kind == "mask" else mod
 
 
 def _bound(func, owner):

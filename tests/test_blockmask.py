@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.blockmask import BlockMask, block_sparse_mask, create_block_mask
+from flexgen.blockmask import BlockMask, block_sparse_mask
+from flexgen.make_block_mask import create_block_mask
 
 # ---------------------------------------------------------------- brute force
 

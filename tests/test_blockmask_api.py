@@ -10,7 +10,8 @@ import torch
 
 import flexgen
 from flexgen import variants as V
-from flexgen.blockmask import BlockMask, block_sparse_mask, create_block_mask, create_mask
+from flexgen.blockmask import BlockMask, block_sparse_mask, create_mask
+from flexgen.make_block_mask import create_block_mask
 
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,12 +123,12 @@ def test_reductions_and_one_argument_where():
     )
 
 
-def test_integer_bitwise_is_a_type_error():
-    def bits(b, h, q_idx, kv_idx):
-        return (q_idx & 1) == 0
+def test_bitwise_on_a_float_is_a_type_error():
+    def bits(score, b, h, q_idx, kv_idx):
+        return score & 1
 
-    message = _error(FlexgenTypeError, lambda: flexgen.mask_mod(bits))
-    assert "operator &" in message and "bool operands" in message
+    message = _error(FlexgenTypeError, lambda: flexgen.score_mod(bits))
+    assert "operator &" in message and "integer or bool operands" in message
     _points_at(message, bits, 1)
 
 
@@ -368,10 +370,26 @@ def test_traced_names_are_made_valid():
 # ---------------------------------------------------------------- inputs of different dtypes
 
 
-def test_mixed_query_key_value_dtypes_raise_value_error_like_pytorch():
+def test_key_and_value_of_different_dtypes_raise_value_error_like_pytorch():
     q = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.float32)
     kv = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.float16)
     with pytest.raises(ValueError, match="Expected query, key, and value to have the same dtype"):
-        flexgen.flex_attention(q, kv, kv)
+        flexgen.flex_attention(q, kv, q)
     with pytest.raises(TypeError, match="same dtype"):  # what flexgen raised before, still caught
         flexgen.flex_attention(kv, kv, q)
+    with pytest.raises(ValueError, match="same dtype"):
+        flexgen.flex_attention(q, kv.to(torch.int32), kv.to(torch.int32))
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.float8_e4m3fn])
+def test_key_and_value_of_another_precision_run_unfused(low):
+    """PyTorch takes key and value of a lower precision than the query (float8 K/V with an fp16 query); the output
+    has the query's dtype."""
+    q = torch.randn(1, 2, 128, 64, dtype=torch.float32)
+    k, v = (torch.randn(1, 2, 128, 64).to(low) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flexgen.flex_attention(q, k, v)
+    want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 8, -1) @ v.double()
+    assert out.dtype == q.dtype and not torch.isnan(out).any()
+    assert (out.double() - want).abs().max().item() < 1e-5

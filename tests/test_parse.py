@@ -198,8 +198,16 @@ def test_score_in_mask_text():
 
 
 def test_bitwise_precedence_hint():
-    err = _raises("q_idx >= kv_idx & q_idx - kv_idx < 3", kind="mask")
+    err = _raises("score > 0 & score < 1", kind="score")  # 0 & score: a float operand of &
     assert "bind tighter than comparisons" in str(err)
+
+
+def test_bitwise_on_integers_binds_as_in_python():
+    """`&` binds tighter than comparisons: this text is Python's chained comparison around kv_idx & (q_idx - kv_idx)."""
+    text = flexgen.mask_mod("q_idx >= kv_idx & q_idx - kv_idx < 3")
+    spelled = flexgen.mask_mod(lambda b, h, q_idx, kv_idx: (q_idx >= (kv_idx & (q_idx - kv_idx)))
+                               & ((kv_idx & (q_idx - kv_idx)) < 3))
+    assert text.expr == spelled.expr
 
 
 def test_semantic_error_in_text_points_at_subexpression():

@@ -141,3 +141,88 @@ def test_the_unfused_output_keeps_the_querys_dimension_order():
     out = _quiet(flexgen.flex_attention, q, k, v)
     assert out.stride() == q.stride()
     assert (out.double() - _dense(q, k, v)).abs().max().item() < 1e-5
+
+
+def _deinterleave(code):
+    code = code & 0x55555555
+    code = (code | (code >> 1)) & 0x33333333
+    code = (code | (code >> 2)) & 0x0F0F0F0F
+    return (code | (code >> 4)) & 0x00FF00FF
+
+
+def _morton_window(b, h, q_idx, kv_idx):
+    """attention-gym's Morton-order neighbourhood mask: integer &, | and >> on the indices."""
+    qx, qy = _deinterleave(q_idx), _deinterleave(q_idx >> 1)
+    kx, ky = _deinterleave(kv_idx), _deinterleave(kv_idx >> 1)
+    return ((qx - kx).abs() <= 2) & ((qy - ky).abs() <= 2) | ((q_idx ^ kv_idx) == 0)
+
+
+def test_integer_bitwise_operators_in_a_mask_mod():
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+
+    n = 256
+    mask = flexgen.create_block_mask(_morton_window, 1, 1, n, n, device="cpu", BLOCK_SIZE=32)
+    assert torch.equal(mask.to_dense(), torch_block_mask(_morton_window, 1, 1, n, n, device="cpu", BLOCK_SIZE=32).to_dense())
+    idx = torch.arange(n)
+    visible = _morton_window(0, 0, idx[:, None], idx[None, :])
+    q, k, v = _qkv(b=1, lq=n, lkv=n)
+    for call in (flexgen.flex_attention, torch.compile(flexgen.flex_attention, backend="aot_eager", fullgraph=True)):
+        out = _quiet(call, q, k, v, block_mask=mask)
+        assert (out.double() - _dense(q, k, v, visible=visible)).abs().max().item() < 1e-5
+    mod = flexgen.mask_mod(lambda b, h, q_idx, kv_idx: ((q_idx | kv_idx) & 3) == (q_idx ^ (kv_idx & 5)))
+    assert flexgen.mask_mod(str(mod).split(": ", 1)[1]).expr == mod.expr  # the text form reads back the same
+
+
+def test_pytorchs_backend_option_checks():
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(RuntimeError, match="BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION"):
+        flexgen.flex_attention(q, q, q, kernel_options={"BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": True})
+    with pytest.raises(ValueError, match="Invalid BACKEND value"):
+        flexgen.flex_attention(q, q, q, kernel_options={"BACKEND": "CUTE"})
+
+
+def test_create_block_mask_compiles_into_one_graph():
+    """torch.compile(create_block_mask, fullgraph=True), as PyTorch's tests call it: the same blocks as eager, and
+    after one recompile for a new length (automatic dynamic shapes) none for the next."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(flexgen.create_block_mask, fullgraph=True, backend=backend)
+    for n, frames in ((512, 1), (256, 2), (384, 2)):
+        mask = compiled(causal, 1, 1, n, n, device="cpu")
+        want = flexgen.create_block_mask(causal, 1, 1, n, n, device="cpu")
+        assert isinstance(mask, BlockMask) and mask.shape == (1, 1, n, n)
+        assert torch.equal(mask.to_dense(), want.to_dense()) and backend.frame_count == frames
+
+
+def test_a_mask_built_inside_a_compiled_function():
+    doc = torch.randint(0, 4, (256,)).sort().values
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def attend(q, k, v):
+        mask = flexgen.create_block_mask(document_causal, None, None, q.shape[-2], k.shape[-2], device="cpu", BLOCK_SIZE=64)
+        return flexgen.flex_attention(q, k, v, block_mask=mask)
+
+    q, k, v = _qkv(lq=256, lkv=256)
+    out = _quiet(torch.compile(attend, fullgraph=True, backend="aot_eager"), q, k, v)
+    idx = torch.arange(256)
+    visible = (doc[idx][:, None] == doc[idx][None, :]) & (idx[:, None] >= idx[None, :])
+    assert not torch.isnan(out).any() and (out.double() - _dense(q, k, v, visible=visible)).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("cupy_backends") is None, reason="NVRTC (cupy) is not installed")
+def test_the_bitwise_mask_compiles_for_hopper(tmp_path, monkeypatch):
+    """The kernels spell &, | and ^ on integers as C does; NVRTC builds the sm90 forward and backward of that mask."""
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path))
+    mod = flexgen.mask_mod(_morton_window)
+    for kind in ("fwd", "bwd"):
+        source = flexgen.emit(kind, None, mod, head_dim=64, arch="sm_90a")
+        assert " & 1431655765" in source and " | " in source and " ^ " in source
+        kernel = flexgen.compile(kind, None, mod, head_dim=64, arch="sm_90a")
+        assert kernel.cubin[:4] == b"\x7fELF"

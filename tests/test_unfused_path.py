@@ -161,6 +161,8 @@ def test_what_the_unfused_path_refuses():
         _quiet(flexgen.flex_attention, q, k, v, dropout_p=0.1)
     with pytest.raises(TypeError, match="float16"):
         flexgen.flex_attention(*(t.to(torch.int32) for t in (q, k, v)))
+    with pytest.raises(ValueError, match="same dtype"):  # integer key and value with a float query
+        flexgen.flex_attention(q, k.to(torch.int32), v.to(torch.int32))
 
 
 def test_under_torch_compile():

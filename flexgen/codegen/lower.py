@@ -211,7 +211,8 @@ _UNARY_FLOAT_FN = {
     "round_to_fp16": "fg_round_fp16", "round_to_bf16": "fg_round_bf16", "isnan": "fg_isnan",
 }
 _INFIX = {"add": "+", "sub": "-", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==",
-          "ne": "!=", "and": "&", "or": "|", "xor": "!="}  # no short-circuit: branch-free masks
+          "ne": "!=", "and": "&", "or": "|", "xor": "!=",
+          "bitand": "&", "bitor": "|", "bitxor": "^"}  # no short-circuit: branch-free masks
 
 
 def _unparen(text: str) -> str:

@@ -119,6 +119,20 @@ def _suggest(name: str, known) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+# PyTorch's BACKEND values: flexgen runs its own kernels whichever is named, but checks the option as PyTorch does.
+TORCH_BACKENDS = ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
+
+
+def _check_backend(options: dict) -> None:
+    if "BACKEND" not in options:
+        return
+    if options.get("FORCE_USE_FLEX_ATTENTION", False):
+        raise RuntimeError("flex_attention: BACKEND cannot be combined with legacy FORCE_USE_FLEX_ATTENTION "
+                           "(as in PyTorch: BACKEND supersedes it; drop FORCE_USE_FLEX_ATTENTION)")
+    if options["BACKEND"] not in TORCH_BACKENDS:
+        raise ValueError(f"flex_attention: Invalid BACKEND value {options['BACKEND']!r}. Must be one of {TORCH_BACKENDS}")
+
+
 def call_options(options: dict | None) -> dict:
     """flex_attention's kernel_options checked: a name flexgen does not know is an error (with the closest
     name), a flag must be True or False (the string "False" is not), a tile value a positive int, family
@@ -128,6 +142,7 @@ def call_options(options: dict | None) -> dict:
         return {}
     if not isinstance(options, dict):
         raise TypeError(f"flex_attention: kernel_options must be a dict, got {type(options).__name__}")
+    _check_backend(options)
     out = {}
     for name, value in options.items():
         if name in TORCH_IGNORED:

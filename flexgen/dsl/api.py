@@ -110,3 +110,13 @@ def _combine(masks: tuple[ModLike, ...], op: str) -> Mod:
 
 
 noop_mask = Mod("mask", ir.const(True), name="noop_mask", source="True")
+
+
+def as_mask_mod(fn) -> Mod | None:
+    """A Mod for a mask_mod (function, Mod or text), or None for one that keeps every element (noop)."""
+    if fn is None:
+        return None
+    mod = mask_mod(fn)
+    if mod is noop_mask or (mod.expr.op == "const" and mod.expr.attr is True):
+        return None
+    return mod

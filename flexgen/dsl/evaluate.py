@@ -62,6 +62,9 @@ _BINARY = {
     "and": torch.logical_and,
     "or": torch.logical_or,
     "xor": torch.logical_xor,
+    "bitand": torch.bitwise_and,
+    "bitor": torch.bitwise_or,
+    "bitxor": torch.bitwise_xor,
     "mod": torch.remainder,
     "fmod": torch.fmod,
 }

@@ -53,7 +53,9 @@ UNARY_OPS = ("neg", "abs", "not", "sign", "isnan") + ROUNDING_OPS + UNARY_FLOAT_
 ARITH_OPS = ("add", "sub", "mul", "div", "floordiv", "mod", "fmod", "pow", "min", "max")  # fmod: C's, like torch.fmod
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC_OPS = ("and", "or", "xor")
-BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS
+# &, |, ^ on integers (the same Python operators on bools are LOGIC_OPS).
+BITWISE_OPS = ("bitand", "bitor", "bitxor")
+BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS + BITWISE_OPS
 LEAF_OPS = ("input", "const", "param")
 ALL_OPS = LEAF_OPS + ("load", "cast", "where") + UNARY_OPS + BINARY_OPS
 
@@ -268,12 +270,16 @@ def unary(op: str, x: Node) -> Node:
 
 
 def binary(op: str, a: Node, b: Node) -> Node:
+    if op in LOGIC_OPS and (a.dtype is not DType.BOOL or b.dtype is not DType.BOOL):
+        op = "bit" + op  # &, |, ^ with an integer operand: bitwise, as torch's
+    if op in BITWISE_OPS:
+        if a.dtype.is_float or b.dtype.is_float:
+            raise IRTypeError(f"'{op}' needs integer or bool operands, got {a.dtype.value} and {b.dtype.value}")
+        t = promote(a.dtype, b.dtype)
+        if t is DType.BOOL:
+            return Node(op[3:], DType.BOOL, (a, b))
+        return Node(op, t, (cast(a, t), cast(b, t)))
     if op in LOGIC_OPS:
-        if a.dtype is not DType.BOOL or b.dtype is not DType.BOOL:
-            raise IRTypeError(
-                f"'{op}' needs bool operands, got {a.dtype.value} and {b.dtype.value} "
-                "(integer bitwise operators are not supported)"
-            )
         return Node(op, DType.BOOL, (a, b))
     if op in COMPARE_OPS:
         t = promote(a.dtype, b.dtype)

@@ -348,6 +348,10 @@ class _Analyzer:
             return self.atom(n, _f(-1.0), _f(1.0))
         if op == "where":
             return self.int_where(n, *args)
+        if op == "bitand":  # with a non-negative operand, within 0 .. that operand's maximum
+            nonneg = [x.hi for x in args if bool((x.lo >= 0).all())]
+            if nonneg:
+                return self.atom(n, _f(0.0), nonneg[0] if len(nonneg) == 1 else torch.minimum(*nonneg))
         return self.top_int(n)
 
     def int_cast(self, n: Node, x) -> _Int:

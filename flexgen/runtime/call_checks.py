@@ -21,6 +21,8 @@ def unfused_reason(query, value) -> str | None:
         return "CPU tensors"
     if query.dtype in UNFUSED_DTYPES:
         return f"{query.dtype} inputs"
+    if value.dtype != query.dtype:
+        return f"{value.dtype} key and value with a {query.dtype} query"
     if value.shape[-1] != query.shape[-1]:
         return f"a value head dim ({value.shape[-1]}) different from the query's ({query.shape[-1]})"
     if query.shape[-1] not in HEAD_DIMS:
