@@ -458,7 +458,6 @@ _INVALID = {  # fragment (a: an int value, p: a bool value, big: a constant) -> 
     "if": lambda a, p, big: a if p else -a,  # Python control flow on a traced value
     "big": lambda a, p, big: a.int() + big,  # a constant that does not fit in int32
     "big_long": lambda a, p, big: a.long() + big * 2**33,  # ... nor in int64
-    "int_and": lambda a, p, big: a & a,  # integer bitwise operators
     "float_index": lambda a, p, big: TABLE[a.float()],
     "bool_index": lambda a, p, big: TABLE[p],
     "partial_index": lambda a, p, big: INTERVALS[a % 7] + 1,  # a row used as a value
@@ -479,7 +478,6 @@ _INVALID = {  # fragment (a: an int value, p: a bool value, big: a constant) -> 
     "matmul": lambda a, p, big: a @ a,  # traced values are scalars: torch.mul
     "bool_minus_bool": lambda a, p, big: (p - p).int() + a,  # torch refuses - on two bools
     "float_condition": lambda a, p, big: torch.where(a.float(), a, a),
-    "invert_int": lambda a, p, big: ~a,
 }
 
 
@@ -516,6 +514,11 @@ def run_program(node, env: dict):
     if kind == "shift":  # by a constant count: x << k wraps like x * 2**k, x >> k floors like x // 2**k
         op, a, k = rest
         return r(a) << k if op == "<<" else r(a) >> k
+    if kind == "bitwise":  # integer &, |, ^ (a traced operand first), and ~
+        op, a, b = rest
+        if op == "~":
+            return ~r(a)
+        return {"&": lambda x, y: x & y, "|": lambda x, y: x | y, "^": lambda x, y: x ^ y}[op](r(a), r(b))
     if kind == "bool_arith":  # torch: bool + bool is logical or, bool * bool logical and
         op, a, b = rest
         return r(a) + r(b) if op == "+" else r(a) * r(b)
@@ -599,7 +602,7 @@ def _program_ints(draw, depth: int):
     d = depth - 1
     kind = draw(st.sampled_from(["arith", "arith", "arith", "rarith", "neg", "abs", "floordiv", "mod", "minimum",
                                  "maximum", "where", "clamp", "long", "int", "load", "load64", "interval",
-                                 "interval2", "float_to_int", "bool_times", "shift"]))
+                                 "interval2", "float_to_int", "bool_times", "shift", "bitwise"]))
     if kind == "arith":
         return ("arith", draw(st.sampled_from(sorted(_ARITH))), _traced(draw(program_ints(d))), draw(program_ints(d)))
     if kind == "rarith":
@@ -615,6 +618,9 @@ def _program_ints(draw, depth: int):
     if kind == "shift":
         return ("shift", draw(st.sampled_from(["<<", ">>"])), _traced(draw(program_ints(d))),
                 draw(st.sampled_from([0, 1, 3, 16, 31, 32, 40])))
+    if kind == "bitwise":
+        return ("bitwise", draw(st.sampled_from(["&", "|", "^", "~"])), _traced(draw(program_ints(d))),
+                draw(program_ints(d)))
     if kind == "bool_times":  # bool * Python int is int64 in torch
         return ("bool_times", draw(program_bools(d)), draw(st.sampled_from(PROGRAM_INTS)))
     if kind == "clamp":

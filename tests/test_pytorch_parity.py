@@ -226,3 +226,14 @@ def test_the_bitwise_mask_compiles_for_hopper(tmp_path, monkeypatch):
         assert " & 1431655765" in source and " | " in source and " ^ " in source
         kernel = flexgen.compile(kind, None, mod, head_dim=64, arch="sm_90a")
         assert kernel.cubin[:4] == b"\x7fELF"
+
+
+def test_bitwise_not_of_an_integer_wraps_as_torch():
+    """~x on int32 indices is -x - 1, at the type's ends too, as torch computes it."""
+    mod = flexgen.mask_mod(lambda b, h, q_idx, kv_idx: (~q_idx & 7) == (kv_idx & 7))
+    q_idx = torch.tensor([-2**31, -1, 0, 5, 2**31 - 1], dtype=torch.int32)[:, None]
+    kv_idx = torch.arange(16, dtype=torch.int32)[None, :]
+    got = mod.evaluate(b=torch.tensor(0), h=torch.tensor(0), q_idx=q_idx, kv_idx=kv_idx)
+    assert torch.equal(got, (~q_idx & 7) == (kv_idx & 7))
+    with pytest.raises(Exception, match="bool or integer operand"):
+        flexgen.score_mod(lambda s, b, h, q_idx, kv_idx: ~s)

@@ -251,8 +251,10 @@ def unary(op: str, x: Node) -> Node:
     if op not in UNARY_OPS:
         raise IRTypeError(f"unknown unary op {op!r}")
     if op == "not":
+        if x.dtype.is_int:  # ~ on an integer: bitwise, which is -x - 1 in two's complement (wrapping, as torch's)
+            return binary("sub", Node("neg", x.dtype, (x,)), const(1, x.dtype))
         if x.dtype is not DType.BOOL:
-            raise IRTypeError(f"'~'/not needs a bool operand, got {x.dtype.value}")
+            raise IRTypeError(f"'~'/not needs a bool or integer operand, got {x.dtype.value}")
         return Node(op, DType.BOOL, (x,))
     if op in UNARY_FLOAT_OPS or op in PRECISION_OPS:
         return Node(op, DType.FLOAT32, (cast(x, DType.FLOAT32),))
