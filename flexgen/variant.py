@@ -140,7 +140,9 @@ def _children(obj) -> list[tuple[tuple, Any]]:
         from .dsl.trace import _code_names
 
         g = obj.__globals__
-        if getattr(sys.modules.get(getattr(obj, "__module__", None) or ""), "__dict__", None) is g:
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        if getattr(module, "__dict__", None) is g:
+            _GLOBAL_MODULES[obj.__module__] = module
             out.extend((("global", n), g[n]) for n in _code_names(code) if n in g)
         out.extend((("default", i), x) for i, x in enumerate(obj.__defaults__ or ()))
         out.extend((("kwdefault", k), x) for k, x in (obj.__kwdefaults__ or {}).items())
@@ -179,13 +181,19 @@ def _find(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:
     return None
 
 
+# The modules whose globals a path reads, by name (filled where the paths are found). Traced code reads them from
+# here, not from sys.modules: dynamo would wrap all of sys.modules, thousands of entries, on every trace, and an
+# import while it walks them (a lazily loaded submodule) breaks the trace.
+_GLOBAL_MODULES: dict[str, types.ModuleType] = {}
+
+
 def _follow(obj, path: tuple):
     """Traced by dynamo: each step is an ordinary attribute or item access."""
     for kind, arg in path:
         if kind == "closure":
             obj = obj.__closure__[arg].cell_contents
         elif kind == "global":  # through the module: dynamo cannot read __globals__ of every function
-            obj = getattr(sys.modules[obj.__module__], arg)
+            obj = getattr(_GLOBAL_MODULES[obj.__module__], arg)
         elif kind == "mod":
             obj = obj.buffer_tensors[arg]
         elif kind == "item":
