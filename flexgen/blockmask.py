@@ -27,13 +27,6 @@ LARGE_BLOCK_SIZE = 1 << 30
 _EVAL_CHUNK_ELEMENTS = 1 << 24
 
 
-def _as_mask_mod(mask_mod) -> Mod | None:
-    """A Mod for `mask_mod`, or None for "no element mask" (noop)."""
-    from .dsl.api import as_mask_mod
-
-    return as_mask_mod(mask_mod)
-
-
 def _sliced_mask_mod(b, h, q_idx, kv_idx):
     raise RuntimeError(
         "this BlockMask was sliced (block_mask[...]), so it has no mask_mod: the slice's batch, head and query "
@@ -403,13 +396,14 @@ def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> 
 
 def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: int, bkv: int, device) -> BlockMask:
     """The block mask of a traced mask (None: no element mask), of batch and head size 1 where the mask does not
-    read b or h (mask_batch_heads), else B and H."""
+    read b or h (reads_batch_heads), else B and H."""
     n_q, n_kv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
     if mod is None:
         full = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
     else:
-        nb, nh = mask_batch_heads(mod, B, H)
+        reads_b, reads_h = reads_batch_heads(mod)
+        nb, nh = (B if reads_b else 1), (H if reads_h else 1)
         full = torch.zeros(nb, nh, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
         # When b and h reach the mask only through buffer indices (documents per batch row), one
@@ -428,14 +422,14 @@ def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: 
     return BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN), mod)
 
 
-def mask_batch_heads(mod: Mod | None, B, H) -> tuple:
-    """(B or 1, H or 1): 1 where the mask does not read b (h), so its lists are stored once and broadcast."""
+def reads_batch_heads(mod: Mod | None) -> tuple[bool, bool]:
+    """Whether the mask reads b, and h: where it does not, its lists are stored once and broadcast."""
     if mod is None:
-        return 1, 1
+        return False, False
     from .dsl.ir import inputs_of
 
     used = inputs_of(mod.expr)
-    return (B if "b" in used else 1), (H if "h" in used else 1)
+    return "b" in used, "h" in used
 
 
 def block_sparse_mask(layout: torch.Tensor, BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, seq_lengths=None) -> BlockMask:

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import blockmask_validate as check
-from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, _as_mask_mod, _default_device, block_mask_of, mask_batch_heads
+from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, _default_device, block_mask_of, reads_batch_heads
+from .dsl.api import as_mask_mod
 from .dynamo_marks import assume_constant_result
 
 
@@ -44,7 +45,7 @@ def create_block_mask(
     if any(check.as_int(n) is None or n <= 0 for n in (Q_LEN, KV_LEN)):
         raise ValueError(f"{where}: Q_LEN and KV_LEN must be positive ints, got {Q_LEN!r} and {KV_LEN!r}")
     bq, bkv = check.block_size(BLOCK_SIZE, where)
-    mod = _as_mask_mod(mask_mod)
+    mod = as_mask_mod(mask_mod)
     device = _default_device() if device is None else torch.device(device)
     return block_mask_of(mod, B or 1, H or 1, Q_LEN, KV_LEN, bq, bkv, device)._broadcast_to(B or 1, H or 1)
 
@@ -58,7 +59,7 @@ def block_mask_lists(buffers: list[Tensor], token: str, batch: int, heads: int, 
                      q_block: int, kv_block: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor,
                                                                                  Tensor, Tensor, Tensor, Tensor]:
     """The eight block lists of the mask `token` names (with these buffers), for (batch, heads) = what
-    mask_batch_heads gives: the caller broadcasts them."""
+    reads_batch_heads gives (1 where the mask does not read b or h): the caller broadcasts them."""
     mod = None
     if token:
         from .dsl.mod import mod_for_token
@@ -66,7 +67,7 @@ def block_mask_lists(buffers: list[Tensor], token: str, batch: int, heads: int, 
         mod = mod_for_token(token)
         mod = replace(mod, buffers=dict(zip(mod.buffer_names, buffers)))
     mask = block_mask_of(mod, batch, heads, q_len, kv_len, q_block, kv_block, device)
-    return tuple(getattr(mask, f).contiguous().clone() for f in LIST_FIELDS)
+    return tuple(getattr(mask, f).contiguous() for f in LIST_FIELDS)
 
 
 @block_mask_lists.register_fake
@@ -81,12 +82,9 @@ def _(buffers, token, batch, heads, q_len, kv_len, q_block, kv_block, device):
 @assume_constant_result
 def _batch_heads_read(token: str) -> tuple:
     """Whether the mask `token` names reads b, and h (a constant of the graph)."""
-    if not token:
-        return False, False
     from .dsl.mod import mod_for_token
 
-    nb, nh = mask_batch_heads(mod_for_token(token), 2, 2)
-    return nb == 2, nh == 2
+    return reads_batch_heads(mod_for_token(token) if token else None)
 
 
 def _traced_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size: tuple[int, int]) -> BlockMask:

@@ -31,6 +31,7 @@ from .runtime.call_checks import (check_block_grid, check_grid, check_scale, emp
 from .runtime.plan import make_spec
 from .variant import _VARIANTS, variant
 
+
 def default_scale() -> float:
     """The `scale` an op gets for "1/sqrt(head dim)", which flex_attention passes when the caller gave none. A
     negative scale never reaches the ops otherwise: flex_attention moves its sign onto the query. (A function
@@ -147,7 +148,7 @@ def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, v
         spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
                          max_scores=return_max)
         if bm is not None:
-            _forward_pass.check_block_mask(bm, q, k, spec)
+            _forward_pass.check_block_tiles(bm, spec)  # (the grid was checked above)
 
 
 @torch.library.custom_op("flexgen::attention_bwd", mutates_args=())

@@ -18,7 +18,7 @@ from ..dropout import check_dropout, dropout_threshold
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
-from .call_checks import check_block_mask_shape, empty_like_layout
+from .call_checks import check_block_grid, empty_like_layout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .tensor_maps import tile_map
@@ -84,16 +84,17 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
 
 
 def check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
-    check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
-    q_len = query.shape[2]
-    bq, bkv = bm.BLOCK_SIZE
-    if bq % spec.block_m or bkv % spec.block_n:
+    """The mask's grid of blocks against the inputs (call_checks.check_block_grid), then against the kernel's tile."""
+    check_block_grid(bm, query, key)
+    check_block_tiles(bm, spec)
+
+
+def check_block_tiles(bm: BlockMask, spec: KernelSpec) -> None:
+    if bm.BLOCK_SIZE[0] % spec.block_m or bm.BLOCK_SIZE[1] % spec.block_n:
         raise ValueError(
             f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "
             f"({spec.block_m}, {spec.block_n}); use BLOCK_SIZE=128 or set kernel_options BLOCK_M/BLOCK_N"
         )
-    if bm.kv_indices.shape[-2] < -(-q_len // bq):
-        raise ValueError(f"flex_attention: block mask covers {bm.kv_indices.shape[-2]} query blocks, {-(-q_len // bq)} needed")
 
 
 def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float, kernel_options,
