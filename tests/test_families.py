@@ -84,9 +84,9 @@ def test_threads_and_grids():
     sm90_bwd = planning.plan("bwd", "sm_90a", 128, "bf16", extra=(("persistent", False),))
     family = families.of(sm90_bwd)
     assert family.name == "sm90" and family.threads_per_cta(sm90_bwd) == 3 * 128  # a producer warpgroup beside two
-    assert family.backward_grid(sm90_bwd, None, k, 6, 1) == (6, 3, 2)  # one CTA per KV tile without persistence
+    assert family.backward_grid(sm90_bwd, None, q, k, 6, 1) == (6, 3, 2)  # one CTA per KV tile without persistence
     deterministic = sm90_bwd.with_(deterministic=True, extra=())
-    assert family.backward_grid(deterministic, None, k, 6, 4) == (4, 3, 2)  # `splits` CTAs per (batch, KV head)
+    assert family.backward_grid(deterministic, None, q, k, 6, 4) == (4, 3, 2)  # `splits` CTAs per (batch, KV head)
 
 
 @pytest.mark.parametrize("kind,options,emit_options", [

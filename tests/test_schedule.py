@@ -1,11 +1,12 @@
-"""The forward's work order (runtime/schedule.py): the query tiles heaviest first from a block mask's
-counts, cached per mask tensor, and how many (batch, head) pairs' tiles interleave."""
+"""The sm90 work orders (runtime/schedule.py): the forward's query tiles heaviest first from a block mask's
+counts, cached per mask tensor, and how many (batch, head) pairs' tiles interleave; the backward's turns of
+each persistent CTA."""
 from __future__ import annotations
 
 import torch
 
 from flexgen import create_block_mask, variants as V
-from flexgen.runtime.schedule import head_chunk, query_tile_order
+from flexgen.runtime.schedule import head_chunk, kv_tile_turns, query_tile_order
 
 
 def _weights(bm, block_m):
@@ -60,3 +61,79 @@ def test_head_chunk_keeps_a_chunk_within_a_share_of_l2():
     assert head_chunk(32, 8192, 128, 2, 4, l2) == 16  # GQA: four query heads share one KV head
     assert head_chunk(32, 1 << 20, 128, 2, 1, l2) == 1  # at least one pair
     assert head_chunk(3, 128, 64, 2, 1, l2) == 3  # at most all of them
+
+
+def _tile_weights(bm, block_n, num_kv_tiles, batch, heads, kv_heads):
+    """Per work tile (KV tile fastest, then KV head, then batch): the query blocks listed for its KV block (partial
+    ones twice), summed over the KV head's query heads; written out with loops."""
+    counts = 2 * bm.q_num_blocks.long() + (0 if bm.full_q_num_blocks is None else bm.full_q_num_blocks.long())
+    group = heads // kv_heads
+    out = []
+    for b in range(batch):
+        for hk in range(kv_heads):
+            for n in range(num_kv_tiles):
+                kvb = n * block_n // bm.BLOCK_SIZE[1]
+                out.append(sum(int(counts[b if counts.shape[0] > 1 else 0, h if counts.shape[1] > 1 else 0, kvb])
+                               for h in range(hk * group, (hk + 1) * group)))
+    return out
+
+
+def _check_turns(bm, block_n, batch, heads, kv_heads, ctas):
+    """Every work tile once, each turn the static walk's tiles of that turn, -1 only at the end of a walk;
+    returns the busiest CTA's work over the mean (a tile costs its weight plus one)."""
+    num_kv_tiles = -(-bm.seq_lengths[1] // block_n)
+    turns = kv_tile_turns(bm, block_n, num_kv_tiles, batch, heads, kv_heads, ctas)
+    weights = _tile_weights(bm, block_n, num_kv_tiles, batch, heads, kv_heads)
+    assert turns.dtype == torch.int32 and turns.numel() % ctas == 0
+    rounds = turns.view(-1, ctas).tolist()
+    for t, tiles in enumerate(rounds):  # the tiles that run together are the static walk's
+        assert sorted(x for x in tiles if x >= 0) == list(range(t * ctas, min(len(weights), (t + 1) * ctas)))
+    walks = [list(w) for w in zip(*rounds)]  # walks[c]: CTA c's tiles, turn by turn
+    for walk in walks:  # a CTA's walk ends at its first -1
+        assert all(t < 0 for t in walk[walk.index(-1):]) if -1 in walk else True
+    loads = [sum(weights[t] + 1 for t in walk if t >= 0) for walk in walks]
+    return max(loads) / (sum(loads) / ctas)
+
+
+def _static_imbalance(bm, block_n, batch, heads, kv_heads, ctas):
+    """The same measure for the walk without turns: CTA c takes work tiles c, c + ctas, ..."""
+    num_kv_tiles = -(-bm.seq_lengths[1] // block_n)
+    weights = _tile_weights(bm, block_n, num_kv_tiles, batch, heads, kv_heads)
+    loads = [sum(w + 1 for w in weights[c::ctas]) for c in range(ctas)]
+    return max(loads) / (sum(loads) / ctas)
+
+
+def test_backward_turns_balance_a_causal_mask():
+    # One 16k sequence over 16 heads: 2048 work tiles of 128 weights, 132 CTAs. The static walk strides by 132,
+    # 4 past a head's 128 tiles, so half the CTAs take the heavy tiles of every head.
+    bm = create_block_mask(V.causal, None, None, 16384, 16384, device="cpu")
+    assert _static_imbalance(bm, 128, 1, 16, 16, 132) > 1.5
+    assert _check_turns(bm, 128, 1, 16, 16, 132) < 1.04
+    bm = create_block_mask(V.causal, None, None, 8192, 8192, device="cpu")
+    assert _check_turns(bm, 128, 2, 16, 16, 132) < 1.05 < _static_imbalance(bm, 128, 2, 16, 16, 132)
+
+
+def test_backward_turns_with_gqa_per_head_masks_and_a_short_last_round():
+    def late_heads_see_more(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (h > 1)
+
+    bm = create_block_mask(late_heads_see_more, 2, 4, 1100, 1100, device="cpu")
+    for kv_heads, ctas in ((4, 30), (2, 7), (1, 5), (2, 13)):
+        assert _check_turns(bm, 128, 2, 4, kv_heads, ctas) < _static_imbalance(bm, 128, 2, 4, kv_heads, ctas)
+    # 72 tiles over 40 CTAs, two turns: 8 CTAs end at a -1
+    assert _check_turns(bm, 128, 2, 4, 4, 40) <= _static_imbalance(bm, 128, 2, 4, 4, 40)
+    last = kv_tile_turns(bm, 128, 9, 2, 4, 4, 40)[40:].tolist()
+    assert last.count(-1) == 8 and sorted(x for x in last if x >= 0) == list(range(40, 72))
+
+
+def test_backward_turns_of_documents_and_their_cache():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    lengths = torch.randint(100, 900, (16,), generator=gen)
+    doc = torch.repeat_interleave(torch.arange(16), lengths)[:4000].to(torch.int32)
+    bm = create_block_mask(V.document(doc), None, None, 4000, 4000, device="cpu")
+    assert _check_turns(bm, 128, 1, 4, 4, 11) <= _static_imbalance(bm, 128, 1, 4, 4, 11)
+    num_kv_tiles = -(-4000 // 128)
+    turns = kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11)
+    assert kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11) is turns
+    bm.q_num_blocks.zero_()  # an in-place change invalidates the cached turns
+    assert kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11) is not turns

@@ -184,6 +184,20 @@ def test_sm90_backward_persistent_many_tiles_per_cta(name):
 
 @gpu
 @hopper
+@pytest.mark.parametrize("name", ["causal", "document", "sliding_window"])
+def test_sm90_backward_balanced_turns_with_a_short_odd_last_round(name):
+    """Under a block mask each CTA takes the turns schedule.kv_tile_turns deals. 2 x 8 heads x 9 KV tiles = 144 work
+    tiles over 132 CTAs: the second turn has 12, so 120 CTAs end their walk at a -1; with GQA (4 KV heads, 72 work
+    tiles) every CTA takes one. The masks weigh the KV tiles unequally, so the CTAs take other tiles than in the
+    static walk."""
+    from test_gpu_backward import Shape, check_variant
+
+    check_variant(name, Shape(2, 8, 1100, 1100), 128, torch.bfloat16, kernel_options=SM90)
+    check_variant(name, Shape(2, 8, 1100, 1100), 64, torch.bfloat16, gqa_kv_heads=4, kernel_options=SM90)
+
+
+@gpu
+@hopper
 def test_sm90_backward_persistent_option():
     """kernel_options persistent=False: one CTA per KV tile (grid (KV tiles, KV heads, batch))."""
     from test_gpu_backward import Shape, check_variant

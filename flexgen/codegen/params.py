@@ -172,6 +172,8 @@ BWD_PARAMS = ParamStruct("BwdParams", (
     _line("int", "num_kv_tiles", comment="CTA x handles KV tiles x, x + gridDim.x, ... (one, unless deterministic)"),
     _line("int", "persistent", comment="sm90: a 1-D grid; CTA x walks work tiles x, x + gridDim.x, ... of"),
     _line("int", "batch", "kv_heads", comment="  (KV tile, KV head, batch), the KV tile fastest"),
+    _line("const int*", "kv_turns",
+          comment="sm90 persistent, null or: the work tile of CTA c at turn t at [c + t * gridDim.x], -1: no more"),
 ), map_names=("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 # sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O), and a zeroed dQ accumulator.

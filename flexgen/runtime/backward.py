@@ -236,7 +236,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args
     p.batch, p.kv_heads = batch, kv_heads
-    grid = family.backward_grid(spec, p, k, num_kv_tiles, splits)
+    grid = family.backward_grid(spec, p, q, k, num_kv_tiles, splits, bm)
     kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream, p)
     if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
         total = _ordered_sum(grad_parts)

@@ -81,7 +81,7 @@ class Family:
         batch, heads, q_len, _ = q.shape
         return (-(-q_len // spec.block_m), heads, batch)
 
-    def backward_grid(self, spec: KernelSpec, p, k, num_kv_tiles: int, splits: int) -> tuple:
+    def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int, block_mask=None) -> tuple:
         """The main backward kernel's grid: one CTA per KV tile, or `splits` per (batch, KV head) in
         deterministic mode; fills the BwdParams fields the family's schedule reads."""
         return (splits if spec.deterministic else num_kv_tiles, k.shape[1], k.shape[0])
@@ -213,14 +213,20 @@ class SM90(Family):
         p.tile_counter = tile_counter(stream).data_ptr()
         return (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
 
-    def backward_grid(self, spec: KernelSpec, p, k, num_kv_tiles: int, splits: int) -> tuple:
+    def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int, block_mask=None) -> tuple:
         if spec.deterministic or not spec.option("persistent", True):
-            return super().backward_grid(spec, p, k, num_kv_tiles, splits)
-        # One CTA per SM walks the work tiles: the next tile's K and V copy behind this one's epilogue.
-        from .schedule import sm_count
+            return super().backward_grid(spec, p, q, k, num_kv_tiles, splits, block_mask)
+        # One CTA per SM walks the work tiles: the next tile's K and V copy behind this one's epilogue. Under a
+        # block mask the tiles differ in cost, and each CTA's turns come from a balanced list (schedule.py).
+        from .schedule import kv_tile_turns, sm_count
 
         p.persistent = 1
-        return (min(num_kv_tiles * k.shape[1] * k.shape[0], sm_count(k.device)), 1, 1)
+        ctas = min(num_kv_tiles * k.shape[1] * k.shape[0], sm_count(k.device))
+        turns = None if block_mask is None else kv_tile_turns(block_mask, spec.block_n, num_kv_tiles, k.shape[0],
+                                                               q.shape[1], k.shape[1], ctas)
+        if turns is not None:
+            p.kv_turns = turns.data_ptr()
+        return (ctas, 1, 1)
 
 
 # In order of preference: a call gets the first family that does not refuse it.

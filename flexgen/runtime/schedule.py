@@ -1,5 +1,6 @@
-"""The sm90 forward's work order (templates/sm90/work_order.cuh): which query tiles are heaviest, how many
-(batch, head) pairs interleave, and the counter from which the sm90 kernel draws its tiles."""
+"""The sm90 kernels' work orders: for the forward (templates/sm90/work_order.cuh) which query tiles are
+heaviest, how many (batch, head) pairs interleave, and the counter from which it draws its tiles; for the
+backward, which KV tile each persistent CTA takes at each turn."""
 from __future__ import annotations
 
 import functools
@@ -41,6 +42,53 @@ def _versions(counts: torch.Tensor, full: torch.Tensor | None) -> tuple[int, int
 
 _MAX_ORDERS = 256
 _orders: dict[tuple, tuple] = {}
+
+
+def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,
+                  ctas: int) -> torch.Tensor | None:
+    """The sm90 backward's persistent walk under a block mask: entry c + t * ctas is the work tile CTA c takes
+    at its turn t (tile n of KV head hk in batch b is n + num_kv_tiles * (hk + kv_heads * b)), -1 where a CTA
+    has no more. Turn t holds the same work tiles as the static walk's (t * ctas to t * ctas + ctas - 1 in that
+    order, the KV tile fastest), so the tiles that run together, and share Q, dO and dQ rows in L2, are the
+    same; only which CTA takes which changes: the heaviest tile of a turn goes to the CTA with the least work so
+    far. A tile weighs the query blocks the mask lists for its KV block (partial ones twice) over the KV head's
+    query heads, plus one for its K / V loads and dK / dV epilogue. (The static walk leaves causal masks a
+    long tail where the CTAs' stride nearly divides the tiles per head; sorting tiles across turns balances
+    better but breaks the L2 sharing: docs/scheduling.md.) Int32 on the mask's device, cached per count tensor as query_tile_order; None under CUDA-graph capture,
+    which cannot wait for the counts (the kernel then walks statically)."""
+    counts, full = block_mask.q_num_blocks, block_mask.full_q_num_blocks
+    key = ("kv", id(counts), id(full), block_n, num_kv_tiles, batch, heads, kv_heads, ctas, block_mask.BLOCK_SIZE[1])
+    hit = _orders.get(key)
+    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
+        return hit[2]
+    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    # A partial block evaluates the mask on every score and counts twice.
+    weights = 2 * counts.to(torch.int64) if full is None else 2 * counts.to(torch.int64) + full
+    weights = weights.expand(batch, heads, -1).reshape(batch, kv_heads, heads // kv_heads, -1).sum(dim=2)
+    tiles = (torch.arange(num_kv_tiles, device=weights.device) * block_n // block_mask.BLOCK_SIZE[1])
+    cost = (weights[:, :, tiles.clamp(max=weights.shape[-1] - 1)].reshape(-1) + 1).cpu()  # the KV tile fastest
+    walk = _deal_turns(cost, ctas).to(counts.device)
+    if len(_orders) >= _MAX_ORDERS:
+        _orders.clear()
+    _orders[key] = (weakref.ref(counts), _versions(counts, full), walk)
+    return walk
+
+
+def _deal_turns(cost: torch.Tensor, ctas: int) -> torch.Tensor:
+    """Turn t deals work tiles t * ctas, ... (costs `cost`), heaviest to the least loaded CTA; a short last turn
+    leaves -1 to the most loaded ones."""
+    tiles = cost.numel()
+    turns = -(-tiles // ctas)
+    walk = torch.full((turns, ctas), -1, dtype=torch.int32)
+    loads = torch.zeros(ctas, dtype=torch.int64)
+    for t in range(turns):
+        lo, hi = t * ctas, min(tiles, (t + 1) * ctas)
+        heaviest = torch.argsort(cost[lo:hi], descending=True, stable=True)
+        lightest = torch.argsort(loads, stable=True)[:hi - lo]
+        walk[t, lightest] = (lo + heaviest).to(torch.int32)
+        loads[lightest] += cost[lo:hi][heaviest]
+    return walk.reshape(-1)
 
 
 @functools.lru_cache(maxsize=None)
