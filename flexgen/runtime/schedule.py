@@ -54,21 +54,22 @@ def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads
     far. A tile weighs the query blocks the mask lists for its KV block (partial ones twice) over the KV head's
     query heads, plus one for its K / V loads and dK / dV epilogue. (The static walk leaves causal masks a
     long tail where the CTAs' stride nearly divides the tiles per head; sorting tiles across turns balances
-    better but breaks the L2 sharing: docs/scheduling.md.) Int32 on the mask's device, cached per count tensor as query_tile_order; None under CUDA-graph capture,
-    which cannot wait for the counts (the kernel then walks statically)."""
+    better but breaks the L2 sharing: docs/scheduling.md.) Int32 on the mask's device, cached per count tensor
+    as query_tile_order. None under CUDA-graph capture (the kernel then walks statically): a graph keeps the
+    address it was captured with, and a cached tensor may be freed while the graph lives."""
     counts, full = block_mask.q_num_blocks, block_mask.full_q_num_blocks
+    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
     key = ("kv", id(counts), id(full), block_n, num_kv_tiles, batch, heads, kv_heads, ctas, block_mask.BLOCK_SIZE[1])
     hit = _orders.get(key)
     if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
         return hit[2]
-    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
     # A partial block evaluates the mask on every score and counts twice.
     weights = 2 * counts.to(torch.int64) if full is None else 2 * counts.to(torch.int64) + full
     weights = weights.expand(batch, heads, -1).reshape(batch, kv_heads, heads // kv_heads, -1).sum(dim=2)
     tiles = (torch.arange(num_kv_tiles, device=weights.device) * block_n // block_mask.BLOCK_SIZE[1])
-    cost = (weights[:, :, tiles.clamp(max=weights.shape[-1] - 1)].reshape(-1) + 1).cpu()  # the KV tile fastest
-    walk = _deal_turns(cost, ctas).to(counts.device)
+    cost = weights[:, :, tiles.clamp(max=weights.shape[-1] - 1)].reshape(-1) + 1  # the KV tile fastest
+    walk = _deal_turns(cost, ctas)
     if len(_orders) >= _MAX_ORDERS:
         _orders.clear()
     _orders[key] = (weakref.ref(counts), _versions(counts, full), walk)
@@ -77,17 +78,23 @@ def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads
 
 def _deal_turns(cost: torch.Tensor, ctas: int) -> torch.Tensor:
     """Turn t deals work tiles t * ctas, ... (costs `cost`), heaviest to the least loaded CTA; a short last turn
-    leaves -1 to the most loaded ones."""
-    tiles = cost.numel()
+    leaves -1 to the most loaded ones. On the costs' device, so that a mask's turns are made without waiting for
+    the GPU: a few small operations per turn, once per mask."""
+    tiles, device = cost.numel(), cost.device
     turns = -(-tiles // ctas)
-    walk = torch.full((turns, ctas), -1, dtype=torch.int32)
-    loads = torch.zeros(ctas, dtype=torch.int64)
+    padded = torch.full((turns * ctas,), -1, dtype=torch.int64, device=device)
+    padded[:tiles] = cost
+    padded = padded.view(turns, ctas)
+    heaviest = torch.argsort(padded, dim=1, descending=True, stable=True)  # (a short turn's padding last)
+    turn_cost = torch.gather(padded, 1, heaviest)
+    turn_tiles = torch.where(turn_cost < 0, -1, heaviest + ctas * torch.arange(turns, device=device)[:, None])
+    turn_tiles, turn_cost = turn_tiles.to(torch.int32), turn_cost.clamp(min=0)
+    walk = torch.empty(turns, ctas, dtype=torch.int32, device=device)
+    loads = torch.zeros(ctas, dtype=torch.int64, device=device)
     for t in range(turns):
-        lo, hi = t * ctas, min(tiles, (t + 1) * ctas)
-        heaviest = torch.argsort(cost[lo:hi], descending=True, stable=True)
-        lightest = torch.argsort(loads, stable=True)[:hi - lo]
-        walk[t, lightest] = (lo + heaviest).to(torch.int32)
-        loads[lightest] += cost[lo:hi][heaviest]
+        lightest = torch.argsort(loads, stable=True)
+        walk[t, lightest] = turn_tiles[t]
+        loads[lightest] += turn_cost[t]
     return walk.reshape(-1)
 
 
