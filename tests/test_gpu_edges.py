@@ -210,6 +210,19 @@ def test_kv_batch_of_one(gqa):
     assert k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
+@gpu
+@pytest.mark.parametrize("shape", [(0, 4, 300, 64), (2, 0, 300, 64)])
+def test_an_empty_batch_or_head_count(shape):
+    """No kernel runs (a tensor map of an empty tensor is invalid); the outputs, lse, max_scores and gradients
+    come back empty in their inputs' shapes."""
+    q, k, v = (torch.randn(*shape, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    bm = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 300, 300)
+    out, aux = flexgen.flex_attention(q, k, v, block_mask=bm, return_aux=flexgen.AuxRequest(lse=True, max_scores=True))
+    assert out.shape == q.shape and aux.lse.shape == shape[:3] and aux.max_scores.shape == shape[:3]
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 # ---------------------------------------------------------------- layouts of outputs and gradients
 
 

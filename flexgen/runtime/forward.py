@@ -116,6 +116,8 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     b, h, lq, d = q.shape
     out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:  # a batch or head count of 0: nothing to launch (a tensor map of an empty tensor is invalid)
+        return (out, lse) if not max_scores else (out, lse, torch.empty_like(lse))
     if not max_scores:
         launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
         return out, lse
