@@ -209,6 +209,45 @@ def test_sm90_score_mod_called_not_inlined(D):
 
 @gpu
 @hopper
+def test_sm90_backward_in_a_cuda_graph():
+    """A training step captured in a CUDA graph: under capture the backward walks its work tiles statically (a graph
+    would keep the address of a cached list of turns); replays give eager's gradients, up to the order of the dQ
+    reductions."""
+    import flexgen
+
+    dev = torch.device("cuda")
+    mask = flexgen.create_block_mask(V.causal, None, None, 1500, 1500, device=dev)
+    q, k, v = (torch.randn(2, 8, 1500, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 8, 1500, 128, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        flexgen.flex_attention(q, k, v, block_mask=mask, kernel_options=SM90).backward(do)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph_grads = [t.grad for t in (q, k, v)]  # the replays write these
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (q, k, v, do):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        got = [g.clone() for g in graph_grads]
+        step()
+        for g, want in zip(got, (q.grad, k.grad, v.grad)):
+            assert not g.isnan().any()
+            torch.testing.assert_close(g, want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@hopper
 def test_sm90_backward_persistent_option():
     """kernel_options persistent=False: one CTA per KV tile (grid (KV tiles, KV heads, batch))."""
     from test_gpu_backward import Shape, check_variant
