@@ -154,9 +154,10 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     kv_heads, kv_len = k.shape[1], k.shape[2]
     device = q.device
     if q.numel() == 0:  # a batch or head count of 0: empty gradients, nothing to launch
-        empty = lambda like, want: empty_like_layout(like, like.shape, q.dtype).zero_() if want else None  # noqa: E731
-        return (empty(query, want_dq), empty(key, want_dk), empty(value, want_dv),
-                {name: torch.zeros(score.buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers})
+        grads = [empty_like_layout(t, t.shape, q.dtype) if want else None
+                 for t, want in ((query, want_dq), (key, want_dk), (value, want_dv))]
+        return (*grads, {name: torch.zeros(score.buffers[name].shape, dtype=torch.float32, device=device)
+                         for name in grad_buffers})
     stream = torch.cuda.current_stream(device).cuda_stream
 
     if bm is not None:
