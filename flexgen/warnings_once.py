@@ -7,24 +7,23 @@ from __future__ import annotations
 import warnings
 
 _seen: set[str] = set()
-
-
-def warn_once(text: str, stacklevel: int = 2) -> None:
-    """warnings.warn(text) the first time this text comes; `stacklevel` as the caller would pass it to warn."""
-    if text in _seen:
-        return
-    _seen.add(text)
-    warnings.warn(text, UserWarning, stacklevel=stacklevel + 1)
-
-
 # Keys of the warnings PyTorch's FlexAttention also shows once (its `_WARNINGS_SHOWN`, which ported tests clear to
 # see a warning again): flexgen's own set, exported under that name.
 _WARNINGS_SHOWN: set[str] = set()
 
 
+def warn_once(text: str, stacklevel: int = 2) -> None:
+    """warnings.warn(text) the first time this text comes; `stacklevel` as the caller would pass it to warn."""
+    _warn_first(_seen, text, text, UserWarning, stacklevel)
+
+
 def warn_once_key(key: str, text: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
     """warnings.warn(text, category) unless `key` is in _WARNINGS_SHOWN; then it is."""
-    if key in _WARNINGS_SHOWN:
+    _warn_first(_WARNINGS_SHOWN, key, text, category, stacklevel)
+
+
+def _warn_first(seen: set[str], key: str, text: str, category: type[Warning], stacklevel: int) -> None:
+    if key in seen:
         return
-    _WARNINGS_SHOWN.add(key)
-    warnings.warn(text, category, stacklevel=stacklevel + 1)
+    seen.add(key)
+    warnings.warn(text, category, stacklevel=stacklevel + 2)  # (+2: this function and its caller)
