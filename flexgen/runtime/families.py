@@ -203,16 +203,13 @@ class SM90(Family):
         # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh: the
         # grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
         # kernel_options={"persistent": False} launches one CTA per work tile.
-        import torch
-
         from .schedule import head_chunk, l2_bytes, query_tile_order, sm_count, tile_counter
 
         batch, heads, q_len, d = q.shape
         work = -(-q_len // spec.block_m) * heads * batch
-        # (Not under CUDA-graph capture: the graph would keep the address of a cached tensor that may be freed while
-        # it lives. Without the list the kernel takes later query tiles first.)
-        if block_mask is not None and not torch.cuda.is_current_stream_capturing():
-            p.m_order = query_tile_order(block_mask, spec.block_m).data_ptr()
+        order = None if block_mask is None else query_tile_order(block_mask, spec.block_m)
+        if order is not None:  # (without it the kernel takes later query tiles first)
+            p.m_order = order.data_ptr()
         p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device))
         p.tile_counter = tile_counter(stream).data_ptr()
         return (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)

@@ -13,12 +13,15 @@ import torch
 _L2_SHARE = 1 / 3
 
 
-def query_tile_order(block_mask, block_m: int) -> torch.Tensor:
+def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
     """The query tiles of `block_m` rows, heaviest first, as int32 indices: a tile weighs the number of KV
     blocks the mask lists for its query block (partial and full), summed over batch and heads. Ties keep
     the later tile first (causal). Cached per count tensor, so the layers of a model that share one mask
-    (each call rebuilds the BlockMask around the same tensors) compute it once."""
+    (each call rebuilds the BlockMask around the same tensors) compute it once. None under CUDA-graph
+    capture (_capturing)."""
     counts, full = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
+    if _capturing(counts):
+        return None
     key = (id(counts), id(full), block_m, block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0])
     hit = _orders.get(key)
     if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
@@ -44,6 +47,12 @@ _MAX_ORDERS = 256
 _orders: dict[tuple, tuple] = {}
 
 
+def _capturing(counts: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured, when the orders are not handed out: a graph keeps the address
+    it was captured with, and a cached order may be freed while the graph lives."""
+    return counts.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,
                   ctas: int) -> torch.Tensor | None:
     """The sm90 backward's persistent walk under a block mask: entry c + t * ctas is the work tile CTA c takes
@@ -55,10 +64,9 @@ def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads
     query heads, plus one for its K / V loads and dK / dV epilogue. (The static walk leaves causal masks a
     long tail where the CTAs' stride nearly divides the tiles per head; sorting tiles across turns balances
     better but breaks the L2 sharing: docs/scheduling.md.) Int32 on the mask's device, cached per count tensor
-    as query_tile_order. None under CUDA-graph capture (the kernel then walks statically): a graph keeps the
-    address it was captured with, and a cached tensor may be freed while the graph lives."""
+    as query_tile_order; None under CUDA-graph capture (_capturing; the kernel then walks statically)."""
     counts, full = block_mask.q_num_blocks, block_mask.full_q_num_blocks
-    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(counts):
         return None
     key = ("kv", id(counts), id(full), block_n, num_kv_tiles, batch, heads, kv_heads, ctas, block_mask.BLOCK_SIZE[1])
     hit = _orders.get(key)
