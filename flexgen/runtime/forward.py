@@ -109,15 +109,15 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
                      mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores)
     if bm is not None:
         check_block_mask(bm, query, key, spec)
+    b, h, lq, d = query.shape
+    out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+    if out.numel() == 0:  # a batch or head count of 0: nothing to compile or launch (a tensor map of an empty tensor is invalid)
+        return (out, lse) if not max_scores else (out, lse, torch.empty_like(lse))
     kernel = get_kernel(spec)
     buffers, params = mod_arguments(score, mask, query.device)
     mod_args = pack_mod_args(lower_mods(spec), buffers, params)
     q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
-    b, h, lq, d = q.shape
-    out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
-    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:  # a batch or head count of 0: nothing to launch (a tensor map of an empty tensor is invalid)
-        return (out, lse) if not max_scores else (out, lse, torch.empty_like(lse))
     if not max_scores:
         launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
         return out, lse
