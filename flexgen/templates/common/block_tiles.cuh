@@ -4,18 +4,33 @@
 // (common/tile_list.cuh), the backward query tiles (common/q_schedule.cuh).
 #pragma once
 
-template <int TILE>
+// `sub` (tiles per mask block) is a run-time value, so t / sub would be an integer division (a reciprocal
+// and a dozen instructions) at every step, on the path to the step's copies and products: a power of two
+// (the usual case: 128-token blocks over 128- or 64-row tiles) shifts instead.
+// SHIFT: `sub` (tiles per mask block) is a run-time value, so t / sub is an integer division (a reciprocal and
+// a dozen instructions) at every step, on the path to the step's copies and products; a power of two (the
+// usual case: 128-token blocks over 128- or 64-row tiles) shifts instead. (The sm80 kernels keep the
+// division: they sit at the register limit, and the test costs one more register.)
+template <int TILE, bool SHIFT>
 struct BlockTiles {
     const int* full_idx;
     const int* part_idx;
     int n_full, n_part, sub, count;
     bool dense;  // no block mask: tile t starts at t * TILE
 
+    __device__ int block_of(int t) const {
+        if constexpr (SHIFT) return (sub & (sub - 1)) == 0 ? t >> (__ffs(sub) - 1) : t / sub;
+        return t / sub;
+    }
     __device__ int start(int t) const {
         if (dense) return t * TILE;
-        const int blk = t / sub;
+        const int blk = block_of(t);
         const int block = blk < n_full ? full_idx[blk] : part_idx[blk - n_full];
+        if constexpr (SHIFT) return (block * sub + t - blk * sub) * TILE;
         return block * sub * TILE + (t % sub) * TILE;
     }
-    __device__ bool partial(int t) const { return t / sub >= n_full; }  // (never, without a block mask)
+    __device__ bool partial(int t) const {  // (never, without a block mask)
+        if constexpr (SHIFT) return t >= n_full * sub;
+        return t / sub >= n_full;
+    }
 };

@@ -5,7 +5,7 @@
 #pragma once
 
 // The query tiles one (KV tile, query head) pair visits.
-using QTileList = BlockTiles<BLOCK_M>;
+using QTileList = BlockTiles<BLOCK_M, SHIFT_MASK_BLOCKS>;
 
 __device__ QTileList query_tiles(const BwdParams& p, int b, int h, int kv_block) {
     QTileList l;

@@ -1,9 +1,9 @@
 // The list of KV tiles one query tile visits (both forward families): BLOCK_N-wide tiles, full
 // mask blocks first, then partial ones, from the BlockMask's index lists; or every tile in order
-// when there is no block mask. Needs BLOCK_N, FwdParams and common/block_tiles.cuh.
+// when there is no block mask. Needs BLOCK_N, FwdParams and common/block_tiles.cuh (with SHIFT_MASK_BLOCKS).
 #pragma once
 
-using TileList = BlockTiles<BLOCK_N>;
+using TileList = BlockTiles<BLOCK_N, SHIFT_MASK_BLOCKS>;
 
 // The KV tiles of the query tile starting at row m0 of (b, h), from FwdParams' block-mask lists.
 // (Filled field by field, as query_tiles in common/q_schedule.cuh: the sm80 kernels sit at the register
