@@ -80,6 +80,11 @@ def _variant(name: str, s: Shape):
         return v.relative_bias(table), None, False, ("rel_bias",)
     if name == "per_head_mask":
         return None, (lambda b, h, q, kv: (q >= kv) & (q - kv < 48 * (h + 1))), True, ()
+    if name == "rope_dot_causal":  # attention-gym's MLA RoPE term: a dot product of captured rows per score
+        q_rope = 0.3 * torch.randn(s.B, s.H, s.Lq, 64, device=DEV)
+        k_rope = 0.3 * torch.randn(s.B, 1, s.Lkv, 64, device=DEV)
+        mod = flexgen.score_mod(lambda sc, b, h, q, kv: sc + 0.5 * torch.dot(q_rope[b, h, q], k_rope[b, h // s.H, kv]))
+        return mod, v.causal, False, ()
     raise KeyError(name)
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import flexgen
+from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import ModArgsError, pack_mod_args, struct_class
 from flexgen.codegen.lower import LoweringError, c_name, float_literal, lower_mods
 from flexgen.codegen.spec import KernelSpec
@@ -43,6 +44,7 @@ SHIM = r"""
 #include <cstring>
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -544,6 +546,25 @@ def test_signatures_and_helpers():
     assert set(low.helpers) == {"fg_floordiv", "fg_mod"}
     assert low.mod_args_decl.index("fg_floordiv") < low.mod_args_decl.index("struct ModArgs")
     assert "#include" not in low.code
+
+
+def test_a_mod_reading_many_elements_is_called_not_inlined():
+    # A dot product over captured rows (MLA's RoPE term): 2 x 24 reads per score, over the threshold.
+    q_rope, k_rope = torch.randn(2, 3, 5, 24), torch.randn(2, 1, 7, 24)
+    rope = flexgen.score_mod(lambda s, b, h, q, kv: s + 0.5 * torch.dot(q_rope[b, h, q], k_rope[b, h // 3, kv]))
+    low = lower_mods(make_spec("bwd", rope, flexgen.variants.causal, head_dim=64, dtype="bf16", arch="sm_90a"))
+    assert "__device__ __noinline__ float score_mod(" in low.score_mod_fn
+    assert "__device__ __forceinline__ bool mask_mod(" in low.mask_mod_fn
+    # a few reads stay inlined
+    q_short, k_short = q_rope[..., :4].clone(), k_rope[..., :4].clone()
+    few = flexgen.score_mod(lambda s, b, h, q, kv: s + torch.dot(q_short[b, h, q], k_short[b, 0, kv]))
+    assert "__device__ __forceinline__ float score_mod(" in lower_mods(
+        make_spec("fwd", few, None, head_dim=64, dtype="bf16", arch="sm_90a")).score_mod_fn
+    # a backward whose gradient reads many elements is called too; one with buffer gradients stays inlined
+    table = torch.randn(24, requires_grad=True)
+    learn = flexgen.score_mod(lambda s, b, h, q, kv: s + torch.dot(table, k_rope[b, 0, kv]))
+    low = lower_mods(make_spec("bwd", learn, None, head_dim=64, dtype="bf16", arch="sm_90a", grad_buffers=("table",)))
+    assert "__device__ __forceinline__ float score_mod_bwd(" in low.score_mod_bwd_fn
 
 
 def test_struct_fields_and_sources():

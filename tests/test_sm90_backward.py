@@ -198,6 +198,17 @@ def test_sm90_backward_balanced_turns_with_a_short_odd_last_round(name):
 
 @gpu
 @hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_sm90_score_mod_called_not_inlined(D):
+    """A score_mod reading 128 elements per score (MLA's RoPE term) is called from the kernels
+    (codegen/lower.py CALL_ABOVE_LOADS): forward and backward against float64."""
+    from test_gpu_backward import Shape, check_variant
+
+    check_variant("rope_dot_causal", Shape(2, 4, 300, 300), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
 def test_sm90_backward_in_a_cuda_graph():
     """A training step captured in a CUDA graph: under capture the backward walks its work tiles statically (a graph
     would keep the address of a cached list of turns); replays give eager's gradients, up to the order of the dQ

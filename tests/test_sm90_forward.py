@@ -78,6 +78,23 @@ def test_fp16_compiles():
     assert "m64n128k16.f32.f16.f16" in kernel.ptx
 
 
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+def test_a_score_mod_with_a_dot_product_compiles_as_a_call():
+    """MLA's RoPE term (attention-gym's generate_mla_rope_score_mod): 128 reads per score. Called, not inlined
+    at each of a thread's scores, the forward and backward build with at most a few spilled bytes (inlined: over
+    a minute of NVRTC and 400-500 B of spills) and keep the wgmma overlap."""
+    import flexgen
+
+    q_rope, k_rope = torch.randn(1, 4, 64, 64), torch.randn(1, 1, 64, 64)
+    rope = flexgen.score_mod(lambda s, b, h, q, kv: s + 0.5 * torch.dot(q_rope[b, h, q], k_rope[b, h // 4, kv]))
+    for kind in ("fwd", "bwd"):
+        kernel = jit.get_kernel(make_spec(kind, rope, V.causal, head_dim=128, dtype="bf16", arch="sm_90a", **SM90))
+        assert "__noinline__ float score_mod(" in kernel.source
+        assert_tma_fed_and_unserialised(kernel)
+        assert kernel.resources["spill_stores_bytes"] <= 32, kernel.resources
+
+
 def test_family_option_is_checked():
     with pytest.raises(ValueError, match="only"):
         make_spec("bwd_postprocess", None, None, head_dim=64, arch="sm_90a", **SM90)

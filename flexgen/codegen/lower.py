@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..dsl.ir import INT_RANGE, BufferSpec, DType, IRTypeError, Node, buffers_of, inputs_of, params_of
+from ..dsl.graph import postorder
 from ..dsl.ir import check_size as ir_check_size
 from ..dsl.printer import format_node, pretty, pretty_lines
 
@@ -493,19 +494,37 @@ def _expr_comment(label: str, expr: Node) -> list[str]:
     return [label.rstrip(": =") + ":"] + [f"    {line}" for line in pretty_lines(expr).splitlines()]
 
 
+# A mod that reads more buffer elements than this per score (a dot product over a captured row, as MLA's RoPE
+# term) is called rather than inlined: inlined at each of a thread's 32-64 scores, such a forward took NVRTC over a
+# minute and spilled 400 B; called (the callee leaves the in-flight wgmma's registers alone), it compiles in
+# seconds without spills. Mods below it stay inlined, where the compiler shares index arithmetic across scores.
+CALL_ABOVE_LOADS = 16
+
+
+def _loads(roots: list[Node]) -> int:
+    """Distinct buffer reads across the roots."""
+    return len({n.digest for root in roots for n in postorder(root) if n.op == "load"})
+
+
+def _inline_or_call(signature: str, roots: list[Node]) -> str:
+    if _loads(roots) > CALL_ABOVE_LOADS:
+        return signature.replace("__forceinline__", "__noinline__", 1)
+    return signature
+
+
 def _score_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(SCORE_SIGNATURE, ["score_mod: identity"], _Body([], names, helpers), "score")
     body = _Body([expr], names, helpers)
     result = body[expr] if expr.dtype is DType.FLOAT32 else f"(float){body[expr]}"
-    return _function(SCORE_SIGNATURE, _expr_comment("score_mod: ", expr), body, result)
+    return _function(_inline_or_call(SCORE_SIGNATURE, [expr]), _expr_comment("score_mod: ", expr), body, result)
 
 
 def _mask_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(MASK_SIGNATURE, ["mask_mod: none (every position is visible)"], _Body([], names, helpers), "true")
     body = _Body([expr], names, helpers)
-    return _function(MASK_SIGNATURE, _expr_comment("mask_mod: ", expr), body, body[expr])
+    return _function(_inline_or_call(MASK_SIGNATURE, [expr]), _expr_comment("mask_mod: ", expr), body, body[expr])
 
 
 def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers,
@@ -542,8 +561,8 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
             call, value = "add", f"__fmul_rn(grad_out, {_unparen(body[p])})"
         body.lines.append(f"    grads.{call}({k}, &args.{member}_grad[{offset}], {value});")
     result = f"__fmul_rn(grad_out, {_unparen(body[dscore])})"
-    if not partials:
-        return _function(SCORE_BWD_SIGNATURE, comment, body, result), 0
+    if not partials:  # (with gradient sites it stays inlined: `grads` lives in registers)
+        return _function(_inline_or_call(SCORE_BWD_SIGNATURE, roots), comment, body, result), 0
     if deterministic:
         comment.append("  grads.add(k, &element, grad_out, derivative): a running sum in slot k, sent out warp by warp "
                        "in a fixed order")
