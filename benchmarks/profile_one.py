@@ -17,7 +17,7 @@ import flexgen
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variant", default="none", choices=("none", "causal", "softcap-causal", "document"))
+    p.add_argument("--variant", default="none", choices=("none", "causal", "softcap-causal", "alibi-causal", "document"))
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
@@ -32,7 +32,12 @@ def main() -> None:
     score, bm = None, None
     if args.variant == "softcap-causal":
         score = flexgen.variants.softcap(30.0)
-    if args.variant in ("causal", "softcap-causal"):
+    if args.variant == "alibi-causal":
+        heads = args.heads
+
+        def score(s, b, h, q_idx, kv_idx):  # the benchmark's ALiBi: slopes computed in the mod
+            return s + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
+    if args.variant in ("causal", "softcap-causal", "alibi-causal"):
         bm = flexgen.create_block_mask(flexgen.variants.causal, None, None, n, n)
     if args.variant == "document":
         ids = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 6 + 1)
