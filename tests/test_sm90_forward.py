@@ -33,7 +33,9 @@ gpu = pytest.mark.gpu
 
 def _spec(name, D):
     score, mask = cpu_variants()[name]
-    return make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90), score, mask
+    # As flex_attention plans it: a mask_mod comes with a block mask (of the default 128 x 128 blocks).
+    mask_block = (128, 128) if mask is not None else None
+    return make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", mask_block=mask_block, **SM90), score, mask
 
 
 @needs_nvrtc
@@ -42,9 +44,11 @@ def _spec(name, D):
 @pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_without_spills_and_matches_host_layouts(name, D):
     spec, score, mask = _spec(name, D)
-    # Per-element score loads (relative_bias) keep the KV tile at 64 columns.
+    # Per-element score loads (relative_bias) keep the KV tile at 64 columns; without a block mask D = 64
+    # takes three consumer warpgroups on 192-row tiles.
     block_n = 64 if name == "relative_bias" else 128
-    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (128, block_n, 8, 2)
+    three = D == 64 and mask is None and name != "relative_bias"
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
     assert kernel.cubin[:4] == b"\x7fELF"
     assert "sm90 family" in kernel.source
@@ -113,8 +117,14 @@ def test_sm80_family_on_request():
 
 
 def test_tile_choice():
-    spec = plan("fwd", "sm_90a", 64, "bf16", family="sm90")
-    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (128, 128, 8, 2)
+    def tile(D, **kw):
+        spec = plan("fwd", "sm_90a", D, "bf16", family="sm90", **kw)
+        return spec.block_m, spec.block_n, spec.num_warps, spec.num_stages
+
+    assert tile(128) == tile(128, mask_block=(128, 128)) == (128, 128, 8, 2)
+    # D = 64: three consumer warpgroups on 192 query rows, except under a block mask (128-row blocks).
+    assert tile(64) == (192, 128, 12, 2)
+    assert tile(64, mask_block=(128, 128)) == tile(64, mask_block=(256, 256)) == (128, 128, 8, 2)
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
     score, _ = cpu_variants()["relative_bias"]
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64
@@ -146,6 +156,27 @@ def test_sm90_lengths(name, lq, lkv):
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(1, 2, lq, lkv), 128, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("lq,lkv", [(1, 1), (191, 300), (193, 193), (1000, 17), (4097, 2049)])
+@pytest.mark.parametrize("name", ["none", "alibi", "softcap"])
+def test_sm90_three_warpgroups(name, lq, lkv):
+    """D = 64 without a block mask: 192-row tiles over three consumer warpgroups, ragged last tiles included."""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(2, 3, lq, lkv), 64, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name", ["none", "softcap"])
+def test_sm90_three_warpgroups_fp16_gqa_and_grid(name):
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(2, 4, 777, 777), 64, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
+    check_variant(name, Shape(3, 2, 1500, 1500), 64, torch.bfloat16, kernel_options={**SM90, "persistent": False})
 
 
 @gpu

@@ -171,6 +171,9 @@ class SM90(Family):
     producer_threads = 128
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
+    # At D = 64 the softmax of a tile costs as much as its two products: three consumer warpgroups take
+    # turns on the tensor cores. Not under a block mask, whose 128-row blocks a 192-row tile would straddle.
+    FWD_THREE_WG = (192, 128, 12, 2)
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
 
@@ -194,7 +197,11 @@ class SM90(Family):
         return None
 
     def tiles(self, call: Call) -> dict:
-        cfg = dict(zip(TILE_FIELDS, self.FWD if call.kind == "fwd" else self.BWD))
+        if call.kind == "fwd":
+            three = call.head_dim == 64 and call.mask_block is None and not call.score_loads_per_element
+            cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
+        else:
+            cfg = dict(zip(TILE_FIELDS, self.BWD))
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
         return cfg
