@@ -125,6 +125,7 @@ def test_tile_choice():
     # D = 64: three consumer warpgroups on 192 query rows, except under a block mask (128-row blocks).
     assert tile(64) == (192, 128, 12, 2)
     assert tile(64, mask_block=(128, 128)) == tile(64, mask_block=(256, 256)) == (128, 128, 8, 2)
+    assert plan("fwd", "sm_90a", 64, "bf16", None, V.causal.expr, family="sm90").block_m == 128  # a mask_mod
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
     score, _ = cpu_variants()["relative_bias"]
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64

@@ -29,6 +29,7 @@ class Call:
     score_loads_per_element: bool = False  # score_mod reads a different buffer element for every score
     tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
+    masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
     max_scores: bool = False  # a forward that also writes the row max of the scores
 
 
@@ -172,7 +173,8 @@ class SM90(Family):
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
     # At D = 64 the softmax of a tile costs as much as its two products: three consumer warpgroups take
-    # turns on the tensor cores. Not under a block mask, whose 128-row blocks a 192-row tile would straddle.
+    # turns on the tensor cores. Not under a block mask, whose 128-row blocks a 192-row tile would straddle,
+    # nor with a mask_mod (which comes with one; its evaluation would also spill at 160 registers).
     FWD_THREE_WG = (192, 128, 12, 2)
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
@@ -198,7 +200,8 @@ class SM90(Family):
 
     def tiles(self, call: Call) -> dict:
         if call.kind == "fwd":
-            three = call.head_dim == 64 and call.mask_block is None and not call.score_loads_per_element
+            three = (call.head_dim == 64 and call.mask_block is None and not call.masked
+                     and not call.score_loads_per_element)
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self.BWD))
