@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..dsl.ir import INT_RANGE, BufferSpec, DType, IRTypeError, Node, buffers_of, inputs_of, params_of
 from ..dsl.graph import postorder
+from ..dsl.ir import INT_RANGE, BufferSpec, DType, IRTypeError, Node, buffers_of, inputs_of, params_of
 from ..dsl.ir import check_size as ir_check_size
 from ..dsl.printer import format_node, pretty, pretty_lines
 

@@ -47,7 +47,8 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
         raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
-                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block, masked=mask_expr is not None,
+                tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
+                masked=mask_expr is not None,
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),

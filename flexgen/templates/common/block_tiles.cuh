@@ -4,9 +4,6 @@
 // (common/tile_list.cuh), the backward query tiles (common/q_schedule.cuh).
 #pragma once
 
-// `sub` (tiles per mask block) is a run-time value, so t / sub would be an integer division (a reciprocal
-// and a dozen instructions) at every step, on the path to the step's copies and products: a power of two
-// (the usual case: 128-token blocks over 128- or 64-row tiles) shifts instead.
 // SHIFT: `sub` (tiles per mask block) is a run-time value, so t / sub is an integer division (a reciprocal and
 // a dozen instructions) at every step, on the path to the step's copies and products; a power of two (the
 // usual case: 128-token blocks over 128- or 64-row tiles) shifts instead. (The sm80 kernels keep the
