@@ -23,19 +23,28 @@ def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
     if _capturing(counts):
         return None
     key = (id(counts), id(full), block_m, block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0])
-    hit = _orders.get(key)
-    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
-        return hit[2]
+    return _cached(key, counts, full, lambda: _query_tile_order(counts, full, block_mask, block_m))
+
+
+def _query_tile_order(counts, full, block_mask, block_m: int) -> torch.Tensor:
     weights = counts.to(torch.int64) if full is None else counts.to(torch.int64) + full
     per_block = weights.sum(dim=(0, 1)) if weights.dim() == 3 else weights
     q_len, q_block = block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0]
     tiles = torch.arange(-(-q_len // block_m) - 1, -1, -1, device=per_block.device)  # later tiles first among equals
     weight = per_block[tiles * block_m // q_block]
-    order = tiles[torch.sort(weight, descending=True, stable=True).indices].to(torch.int32)
+    return tiles[torch.sort(weight, descending=True, stable=True).indices].to(torch.int32)
+
+
+def _cached(key: tuple, counts: torch.Tensor, full: torch.Tensor | None, make) -> torch.Tensor:
+    """make()'s result, kept under `key` while `counts` lives and neither count tensor changes in place."""
+    hit = _orders.get(key)
+    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
+        return hit[2]
+    made = make()
     if len(_orders) >= _MAX_ORDERS:
         _orders.clear()
-    _orders[key] = (weakref.ref(counts), _versions(counts, full), order)
-    return order
+    _orders[key] = (weakref.ref(counts), _versions(counts, full), made)
+    return made
 
 
 def _versions(counts: torch.Tensor, full: torch.Tensor | None) -> tuple[int, int]:
@@ -69,19 +78,18 @@ def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads
     if _capturing(counts):
         return None
     key = ("kv", id(counts), id(full), block_n, num_kv_tiles, batch, heads, kv_heads, ctas, block_mask.BLOCK_SIZE[1])
-    hit = _orders.get(key)
-    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
-        return hit[2]
+    return _cached(key, counts, full, lambda: _kv_tile_turns(counts, full, block_mask, block_n, num_kv_tiles, batch,
+                                                             heads, kv_heads, ctas))
+
+
+def _kv_tile_turns(counts, full, block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,
+                   ctas: int) -> torch.Tensor:
     # A partial block evaluates the mask on every score and counts twice.
     weights = 2 * counts.to(torch.int64) if full is None else 2 * counts.to(torch.int64) + full
     weights = weights.expand(batch, heads, -1).reshape(batch, kv_heads, heads // kv_heads, -1).sum(dim=2)
     tiles = (torch.arange(num_kv_tiles, device=weights.device) * block_n // block_mask.BLOCK_SIZE[1])
     cost = weights[:, :, tiles.clamp(max=weights.shape[-1] - 1)].reshape(-1) + 1  # the KV tile fastest
-    walk = _deal_turns(cost, ctas)
-    if len(_orders) >= _MAX_ORDERS:
-        _orders.clear()
-    _orders[key] = (weakref.ref(counts), _versions(counts, full), walk)
-    return walk
+    return _deal_turns(cost, ctas)
 
 
 def _deal_turns(cost: torch.Tensor, ctas: int) -> torch.Tensor:
