@@ -44,10 +44,10 @@ def _spec(name, D):
 @pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_without_spills_and_matches_host_layouts(name, D):
     spec, score, mask = _spec(name, D)
-    # Per-element score loads (relative_bias) keep the KV tile at 64 columns; without a block mask D = 64
-    # takes three consumer warpgroups on 192-row tiles.
+    # Per-element score loads (relative_bias) keep the KV tile at 64 columns; D = 64 takes three consumer
+    # warpgroups on 192-row tiles unless a mod reads a buffer (ALiBi's slopes, document ids, bias tables).
     block_n = 64 if name == "relative_bias" else 128
-    three = D == 64 and mask is None and name != "relative_bias"
+    three = D == 64 and name in ("none", "causal", "softcap_causal")
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
     assert kernel.cubin[:4] == b"\x7fELF"
@@ -122,10 +122,16 @@ def test_tile_choice():
         return spec.block_m, spec.block_n, spec.num_warps, spec.num_stages
 
     assert tile(128) == tile(128, mask_block=(128, 128)) == (128, 128, 8, 2)
-    # D = 64: three consumer warpgroups on 192 query rows, except under a block mask (128-row blocks).
+    # D = 64: three consumer warpgroups on 192 query rows, also under a block mask of smaller query blocks
+    # (runtime/coarse_rows.py), but not where a mod reads a buffer, nor for a mask_mod without its block mask.
     assert tile(64) == (192, 128, 12, 2)
-    assert tile(64, mask_block=(128, 128)) == tile(64, mask_block=(256, 256)) == (128, 128, 8, 2)
-    assert plan("fwd", "sm_90a", 64, "bf16", None, V.causal.expr, family="sm90").block_m == 128  # a mask_mod
+    causal, document = V.causal.expr, V.document(torch.zeros(64, dtype=torch.int32)).expr
+    for block in ((128, 128), (64, 128), (256, 256)):
+        assert tile(64, mask_expr=causal, mask_block=block) == (192, 128, 12, 2)
+    assert plan("fwd", "sm_90a", 64, "bf16", None, causal, mask_block=(128, 64)).family == "sm80"  # KV blocks below the tile
+    assert tile(64, mask_expr=document, mask_block=(128, 128)) == (128, 128, 8, 2)
+    assert tile(64, score_expr=V.alibi(4).expr, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)
+    assert tile(64, mask_expr=causal) == (128, 128, 8, 2)
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
     score, _ = cpu_variants()["relative_bias"]
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64
@@ -168,6 +174,39 @@ def test_sm90_three_warpgroups(name, lq, lkv):
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(2, 3, lq, lkv), 64, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("lq,lkv", [(1000, 1000), (777, 1100), (2049, 2049), (100, 3000)])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "softcap_causal", "per_head_mask", "or_masks"])
+def test_sm90_three_warpgroups_under_a_block_mask(name, lq, lkv):
+    """D = 64 under a mask of 128-row blocks: each 192-row tile walks the union of the query blocks it touches
+    (runtime/coarse_rows.py), and mask_mod decides the elements of every block not full for all of them."""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(2, 3, lq, lkv), 64, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+def test_sm90_three_warpgroups_under_64_row_blocks_and_in_a_graph():
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant("causal", Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90, bm_kwargs={"BLOCK_SIZE": 64})
+    # Under CUDA-graph capture the union is computed inside the graph, not taken from the cache.
+    import flexgen
+
+    q, k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bm = flexgen.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 1000, 1000, device="cuda")
+    eager = flexgen.flex_attention(q, k, v, block_mask=bm)
+    out = torch.full_like(eager, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(flexgen.flex_attention(q, k, v, block_mask=bm))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @gpu

@@ -30,6 +30,7 @@ class Call:
     tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
+    mod_loads: bool = False  # score_mod or mask_mod reads a buffer
     max_scores: bool = False  # a forward that also writes the row max of the scores
 
 
@@ -173,8 +174,9 @@ class SM90(Family):
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
     # At D = 64 the softmax of a tile costs as much as its two products: three consumer warpgroups take
-    # turns on the tensor cores. Not under a block mask, whose 128-row blocks a 192-row tile would straddle,
-    # nor with a mask_mod (which comes with one; its evaluation would also spill at 160 registers).
+    # turns on the tensor cores. Under a block mask whose query blocks a 192-row tile straddles, the forward
+    # walks the union of the blocks' lists (runtime/coarse_rows.py); not where a mod reads buffers (their
+    # addresses spill at 160 registers: 200-390 B), nor for a mask_mod planned without its block mask.
     FWD_THREE_WG = (192, 128, 12, 2)
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
@@ -193,15 +195,21 @@ class SM90(Family):
             return ("its tiles are fixed; BLOCK_M / BLOCK_N / num_warps / num_stages and BLOCK_M1 / BLOCK_N1 / "
                     "num_warps1 are sm80 tile choices")
         tile = self.tiles(call)
-        if call.mask_block is not None and (call.mask_block[0] % tile["block_m"] or call.mask_block[1] % tile["block_n"]):
+        if call.mask_block is None:
+            return None
+        q_block, kv_block = call.mask_block
+        # (a 192-row tile walks the union of the query blocks it touches: runtime/coarse_rows.py)
+        rows_fit = q_block % tile["block_m"] == 0 or tile["block_m"] == self.FWD_THREE_WG[0]
+        if not rows_fit or kv_block % tile["block_n"]:
             return f"block mask BLOCK_SIZE {tuple(call.mask_block)} is not a multiple of its tile " \
                    f"{(tile['block_m'], tile['block_n'])}"
         return None
 
     def tiles(self, call: Call) -> dict:
         if call.kind == "fwd":
-            three = (call.head_dim == 64 and call.mask_block is None and not call.masked
-                     and not call.score_loads_per_element)
+            unmasked = call.mask_block is None and not call.masked
+            blocked = call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0 and not call.mod_loads
+            three = call.head_dim == 64 and (unmasked or blocked) and not call.score_loads_per_element
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self.BWD))

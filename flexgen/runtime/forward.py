@@ -19,6 +19,7 @@ from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
 from .call_checks import check_block_grid, empty_like_layout
+from .coarse_rows import coarse_rows
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .tensor_maps import tile_map
@@ -83,10 +84,15 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
     kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream.cuda_stream, p)
 
 
-def check_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> None:
-    """The mask's grid of blocks against the inputs (call_checks.check_block_grid), then against the kernel's tile."""
+def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
+    """The mask's grid of blocks checked against the inputs (call_checks.check_block_grid), then the mask the kernel
+    walks: over 192-row tiles the union of the query blocks each touches (runtime/coarse_rows.py), checked against
+    the kernel's tile."""
     check_block_grid(bm, query, key)
+    if spec.family == "sm90" and bm.BLOCK_SIZE[0] % spec.block_m:
+        bm = coarse_rows(bm, spec.block_m)
     check_block_tiles(bm, spec)
+    return bm
 
 
 def check_block_tiles(bm: BlockMask, spec: KernelSpec) -> None:
@@ -108,7 +114,7 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
                      mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores)
     if bm is not None:
-        check_block_mask(bm, query, key, spec)
+        bm = kernel_block_mask(bm, query, key, spec)
     b, h, lq, d = query.shape
     out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)

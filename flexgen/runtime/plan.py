@@ -14,7 +14,7 @@ import torch
 
 from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, call_options
 from ..codegen.spec import KINDS, KernelSpec
-from ..dsl.ir import Node, has_positional_loads
+from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
 
@@ -49,6 +49,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 masked=mask_expr is not None,
+                mod_loads=any(e is not None and bool(buffers_of(e)) for e in (score_expr, mask_expr)),
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),

@@ -1,0 +1,67 @@
+"""A block mask over taller query tiles than its own blocks: for the sm90 forward's 192-row tiles (three consumer
+warpgroups, templates/sm90/fwd.cu.j2) under a mask of 64- or 128-row blocks.
+
+The kernel walks one list of KV blocks per query tile. A tile of `rows` rows touches two or three of the mask's
+query blocks; its list is their union. A KV block is full for the tile only if it is full for every query block the
+tile touches; otherwise it is partial if any of them lists it, so that mask_mod decides each element. The element
+visibility is therefore the mask's own, at the price of evaluating mask_mod on a few blocks that were full or empty
+for some of the tile's rows.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..blockmask import BlockMask, _dense_to_lists, _lists_to_dense
+from .schedule import _capturing, _versions
+
+
+def coarse_rows(block_mask, rows: int):
+    """`block_mask` over query tiles of `rows` rows (BLOCK_SIZE (rows, its KV block)); the mask itself where its
+    query blocks are already a multiple of `rows`. Cached per count tensor like the forward's work order
+    (runtime/schedule.py); computed afresh under CUDA-graph capture, where a cached tensor's address must not
+    be captured."""
+    bq, bkv = block_mask.BLOCK_SIZE
+    if bq % rows == 0:
+        return block_mask
+    counts, full_counts = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
+    if _capturing(counts):
+        return _coarsen(block_mask, rows)
+    key = (id(counts), id(full_counts), rows, block_mask.seq_lengths, bq)
+    hit = _masks.get(key)
+    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full_counts):
+        return hit[2]
+    made = _coarsen(block_mask, rows)
+    if len(_masks) >= _MAX_MASKS:
+        _masks.clear()
+    _masks[key] = (weakref.ref(counts), _versions(counts, full_counts), made)
+    return made
+
+
+_MAX_MASKS = 64
+_masks: dict[tuple, tuple] = {}
+
+
+def _coarsen(block_mask, rows: int) -> BlockMask:
+    bq, bkv = block_mask.BLOCK_SIZE
+    q_len, kv_len = block_mask.seq_lengths
+    cols = block_mask.kv_indices.shape[-1]
+    device = block_mask.kv_indices.device
+    partial = _lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, cols)
+    if block_mask.full_kv_num_blocks is not None:
+        full = _lists_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, cols)
+    else:
+        full = torch.zeros_like(partial)
+    tiles = torch.arange(-(-q_len // rows), device=device)
+    first = tiles * rows // bq
+    last = (torch.clamp((tiles + 1) * rows, max=q_len) - 1) // bq
+    touched = -(-rows // bq) + 1  # at most this many query blocks per tile
+    blocks = torch.minimum(first[:, None] + torch.arange(touched, device=device), last[:, None])  # (tiles, touched)
+    listed = (partial | full)[..., blocks, :].any(dim=-2)  # (..., tiles, cols)
+    all_full = full[..., blocks, :].all(dim=-2)
+    kv_num, kv_idx = _dense_to_lists(listed & ~all_full)
+    full_num, full_idx = _dense_to_lists(all_full)
+    return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+                     full_kv_indices=full_idx, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
+                     full_q_indices=None, BLOCK_SIZE=(rows, bkv), mask_mod=block_mask.mask_mod)

@@ -1,0 +1,80 @@
+"""runtime/coarse_rows.py: a block mask over 192-row query tiles shows every element as the mask itself does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexgen
+from flexgen.blockmask import _lists_to_dense
+from flexgen.runtime.coarse_rows import coarse_rows
+
+
+def _state(bm) -> torch.Tensor:
+    """(B, H, nQ, nKV): 0 absent, 1 partial (mask_mod decides), 2 full."""
+    cols = bm.kv_indices.shape[-1]
+    state = _lists_to_dense(bm.kv_num_blocks, bm.kv_indices, cols).to(torch.int8)
+    if bm.full_kv_num_blocks is not None:
+        state = state + 2 * _lists_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, cols).to(torch.int8)
+    return state
+
+
+def _visible(bm, mask_fn, batch: int, heads: int) -> torch.Tensor:
+    """Each element's visibility as a kernel walking `bm` gives it: full blocks whole, partial ones through mask_fn."""
+    q_len, kv_len = bm.seq_lengths
+    bq, bkv = bm.BLOCK_SIZE
+    q = torch.arange(q_len)[:, None]
+    kv = torch.arange(kv_len)[None, :]
+    state = _state(bm)
+    out = torch.empty(batch, heads, q_len, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            s = state[min(b, state.shape[0] - 1), min(h, state.shape[1] - 1)][q // bq, kv // bkv]
+            out[b, h] = (s == 2) | ((s == 1) & mask_fn(torch.tensor(b), torch.tensor(h), q, kv))
+    return out
+
+
+def _sliding(b, h, q, kv):
+    return (q >= kv) & (q - kv < 300)
+
+
+def _prefix(b, h, q, kv):
+    return (kv < 200) | (q >= kv)
+
+
+def _per_head(b, h, q, kv):
+    return (q >= kv) & ((q - kv) % (h + 2) != 1)
+
+
+@pytest.mark.parametrize("mask_fn,heads", [(lambda b, h, q, kv: q >= kv, None), (_sliding, None), (_prefix, None),
+                                           (_per_head, 3)])
+@pytest.mark.parametrize("q_len,kv_len,block", [(1000, 1000, 128), (777, 1100, 128), (1100, 700, 64), (191, 193, 128),
+                                                (2048, 2048, 64)])
+def test_coarse_rows_show_every_element_as_the_mask(mask_fn, heads, q_len, kv_len, block):
+    bm = flexgen.create_block_mask(mask_fn, None, heads, q_len, kv_len, device="cpu", BLOCK_SIZE=block)
+    coarse = coarse_rows(bm, 192)
+    assert coarse.BLOCK_SIZE == (192, block) and coarse.seq_lengths == (q_len, kv_len)
+    assert coarse.kv_indices.shape[-2:] == (-(-q_len // 192), bm.kv_indices.shape[-1])
+    assert coarse.kv_num_blocks.dtype == torch.int32 and coarse.kv_indices.dtype == torch.int32
+    h = heads or 1
+    want = _visible(bm, mask_fn, 1, h)
+    assert torch.equal(_visible(coarse, mask_fn, 1, h), want)
+    q, kv = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+    for head in range(h):  # and both are the mask itself
+        assert torch.equal(want[0, head], mask_fn(torch.tensor(0), torch.tensor(head), q, kv))
+    # a block is full for a tile only if full for every row of it: causal keeps most blocks full
+    if q_len >= 1000 and mask_fn(torch.tensor(0), torch.tensor(0), torch.tensor(999), torch.tensor(0)):
+        assert int(coarse.full_kv_num_blocks.sum()) > 0
+
+
+def test_coarse_rows_are_cached_per_mask_and_follow_in_place_changes():
+    bm = flexgen.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 1024, 1024, device="cpu")
+    first = coarse_rows(bm, 192)
+    assert coarse_rows(bm, 192) is first
+    same_tensors = flexgen.BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                                    bm.full_kv_indices, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
+    assert coarse_rows(same_tensors, 192) is first  # a model's layers rebuild the mask around the same tensors
+    bm.kv_num_blocks.zero_()  # every partial block dropped
+    assert coarse_rows(bm, 192) is not first
+    assert int(coarse_rows(bm, 192).kv_num_blocks.sum()) < int(first.kv_num_blocks.sum())
+    big = flexgen.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 1024, 1024, device="cpu", BLOCK_SIZE=384)
+    assert coarse_rows(big, 192) is big  # query blocks already a multiple of the tile
