@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+import flexgen
 from flexgen import variants as V
 from flexgen.cache import jit
 from flexgen.cache.ptxas import has_spills
@@ -132,6 +133,10 @@ def test_tile_choice():
     assert tile(64, mask_expr=document, mask_block=(128, 128)) == (128, 128, 8, 2)
     assert tile(64, score_expr=V.alibi(4).expr, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)
     assert tile(64, mask_expr=causal) == (128, 128, 8, 2)
+    long = V.causal
+    for i in range(12):  # 25 operations: the 160 registers of a consumer would spill
+        long = flexgen.and_masks(long, flexgen.mask_mod(lambda b, h, q, kv, i=i: (q - kv) % (i + 2) != 1))
+    assert tile(64, mask_expr=long.expr, mask_block=(128, 128)) == (128, 128, 8, 2)
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
     score, _ = cpu_variants()["relative_bias"]
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64
@@ -195,8 +200,6 @@ def test_sm90_three_warpgroups_under_64_row_blocks_and_in_a_graph():
 
     check_variant("causal", Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90, bm_kwargs={"BLOCK_SIZE": 64})
     # Under CUDA-graph capture the union is computed inside the graph, not taken from the cache.
-    import flexgen
-
     q, k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     bm = flexgen.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 1000, 1000, device="cuda")
     eager = flexgen.flex_attention(q, k, v, block_mask=bm)

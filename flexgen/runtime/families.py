@@ -31,6 +31,7 @@ class Call:
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
+    mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
 
 
@@ -176,8 +177,11 @@ class SM90(Family):
     # At D = 64 the softmax of a tile costs as much as its two products: three consumer warpgroups take
     # turns on the tensor cores. Under a block mask whose query blocks a 192-row tile straddles, the forward
     # walks the union of the blocks' lists (runtime/coarse_rows.py); not where a mod reads buffers (their
-    # addresses spill at 160 registers: 200-390 B), nor for a mask_mod planned without its block mask.
+    # addresses spill at 160 registers: 200-390 B) or is long (attention-gym's tiled NATTEN and STA masks,
+    # 31-44 operations, spill 44-256 B; its masks up to 16 operations spill nothing), nor for a mask_mod
+    # planned without its block mask.
     FWD_THREE_WG = (192, 128, 12, 2)
+    THREE_WG_MAX_OPS = 24
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
 
@@ -207,9 +211,10 @@ class SM90(Family):
 
     def tiles(self, call: Call) -> dict:
         if call.kind == "fwd":
+            small_mods = call.mod_ops <= self.THREE_WG_MAX_OPS and not call.score_loads_per_element
             unmasked = call.mask_block is None and not call.masked
             blocked = call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0 and not call.mod_loads
-            three = call.head_dim == 64 and (unmasked or blocked) and not call.score_loads_per_element
+            three = call.head_dim == 64 and small_mods and (unmasked or blocked)
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self.BWD))

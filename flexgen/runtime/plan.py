@@ -14,6 +14,7 @@ import torch
 
 from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, call_options
 from ..codegen.spec import KINDS, KernelSpec
+from ..dsl.graph import postorder
 from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
@@ -50,6 +51,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 masked=mask_expr is not None,
                 mod_loads=any(e is not None and bool(buffers_of(e)) for e in (score_expr, mask_expr)),
+                mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
@@ -58,6 +60,10 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
 
 
 _plan_cached = functools.lru_cache(maxsize=4096)(_plan)
+
+
+def _operations(expr: Node) -> int:
+    return sum(1 for n in postorder(expr) if n.op not in ("input", "const", "param"))
 
 
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
