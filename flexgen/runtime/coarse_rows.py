@@ -9,12 +9,10 @@ for some of the tile's rows.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..blockmask import BlockMask, _dense_to_lists, _lists_to_dense
-from .schedule import _capturing, _versions
+from .schedule import _cached, _capturing
 
 
 def coarse_rows(block_mask, rows: int):
@@ -28,19 +26,8 @@ def coarse_rows(block_mask, rows: int):
     counts, full_counts = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
     if _capturing(counts):
         return _coarsen(block_mask, rows)
-    key = (id(counts), id(full_counts), rows, block_mask.seq_lengths, bq)
-    hit = _masks.get(key)
-    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full_counts):
-        return hit[2]
-    made = _coarsen(block_mask, rows)
-    if len(_masks) >= _MAX_MASKS:
-        _masks.clear()
-    _masks[key] = (weakref.ref(counts), _versions(counts, full_counts), made)
-    return made
-
-
-_MAX_MASKS = 64
-_masks: dict[tuple, tuple] = {}
+    key = ("rows", id(counts), id(full_counts), rows, block_mask.seq_lengths, bq)
+    return _cached(key, counts, full_counts, lambda: _coarsen(block_mask, rows))
 
 
 def _coarsen(block_mask, rows: int) -> BlockMask:
