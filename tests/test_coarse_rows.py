@@ -78,3 +78,23 @@ def test_coarse_rows_are_cached_per_mask_and_follow_in_place_changes():
     assert int(coarse_rows(bm, 192).kv_num_blocks.sum()) < int(first.kv_num_blocks.sum())
     big = flexgen.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 1024, 1024, device="cpu", BLOCK_SIZE=384)
     assert coarse_rows(big, 192) is big  # query blocks already a multiple of the tile
+
+
+def test_block_tiles_check_takes_any_query_block_for_the_sm90_forward():
+    """The check a traced call runs (ops.check_traced_call) before any launch agrees with what the forward walks: a
+    192-row tile under 128- or 64-row blocks is fine; KV blocks must still be multiples of the tile's."""
+    from flexgen import variants as V
+    from flexgen.codegen.api import make_spec
+    from flexgen.runtime.forward import check_block_tiles
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    for block in ((128, 128), (64, 128)):
+        bm = flexgen.create_block_mask(causal, None, None, 1000, 1000, device="cpu", BLOCK_SIZE=block)
+        spec = make_spec("fwd", None, V.causal, head_dim=64, arch="sm_90a", family="sm90", mask_block=block)
+        assert spec.block_m == 192
+        check_block_tiles(bm, spec)
+    bm = flexgen.create_block_mask(causal, None, None, 1000, 1000, device="cpu", BLOCK_SIZE=(128, 64))
+    with pytest.raises(ValueError, match="multiple of the kernel tile"):
+        check_block_tiles(bm, spec)

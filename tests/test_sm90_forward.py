@@ -198,7 +198,7 @@ def test_sm90_three_warpgroups_under_a_block_mask(name, lq, lkv):
 def test_sm90_three_warpgroups_under_64_row_blocks_and_in_a_graph():
     from test_gpu_forward import Shape, check_variant
 
-    check_variant("causal", Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90, bm_kwargs={"BLOCK_SIZE": 64})
+    check_variant("causal", Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90, bm_kwargs={"BLOCK_SIZE": (64, 128)})
     # Under CUDA-graph capture the union is computed inside the graph, not taken from the cache.
     q, k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     bm = flexgen.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 1000, 1000, device="cuda")

@@ -89,14 +89,21 @@ def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
     walks: over 192-row tiles the union of the query blocks each touches (runtime/coarse_rows.py), checked against
     the kernel's tile."""
     check_block_grid(bm, query, key)
-    if spec.family == "sm90" and bm.BLOCK_SIZE[0] % spec.block_m:
+    if _walks_row_unions(spec) and bm.BLOCK_SIZE[0] % spec.block_m:
         bm = coarse_rows(bm, spec.block_m)
     check_block_tiles(bm, spec)
     return bm
 
 
+def _walks_row_unions(spec: KernelSpec) -> bool:
+    return spec.family == "sm90"
+
+
 def check_block_tiles(bm: BlockMask, spec: KernelSpec) -> None:
-    if bm.BLOCK_SIZE[0] % spec.block_m or bm.BLOCK_SIZE[1] % spec.block_n:
+    """The mask's blocks against the kernel's tile (the sm90 forward takes any query block size: a taller tile walks
+    the union of the blocks it touches)."""
+    rows_fit = bm.BLOCK_SIZE[0] % spec.block_m == 0 or _walks_row_unions(spec)
+    if not rows_fit or bm.BLOCK_SIZE[1] % spec.block_n:
         raise ValueError(
             f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "
             f"({spec.block_m}, {spec.block_n}); use BLOCK_SIZE=128 or set kernel_options BLOCK_M/BLOCK_N"
