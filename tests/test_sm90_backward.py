@@ -36,7 +36,9 @@ gpu = pytest.mark.gpu
 def test_compiles_and_matches_host_layouts(name, D):
     score, mask = cpu_variants()[name]
     spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
-    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (64, 128, 8, 2)
+    # Query rows per step: 128 at D = 64 for mods without a score_mod or buffer reads (families.SM90.BWD_WIDE).
+    rows = 128 if D == 64 and score is None and not (mask and mask.buffers) else 64
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (rows, 128, 8, 2)
     assert families.of(spec).threads_per_cta(spec) == 384  # a producer warpgroup beside two consumer ones
     kernel = jit.get_kernel(spec)
     assert "sm90 family" in kernel.source
@@ -45,11 +47,11 @@ def test_compiles_and_matches_host_layouts(name, D):
     limit = 256 if name == "relative_bias" else 0
     # (.get: NVRTC 13.0, on the GPU machine, returns no ptxas report.)
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
-    # The five products: S^T and dP^T as m64n64 (shared A, B), dK and dV as m64n{D} (A in registers),
-    # dQ as m64n{D/2}.
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", kernel.ptx)
+    # The five products: S^T and dP^T as m64n{rows} (shared A, B), dK and dV as m64n{D} (A in registers),
+    # each warpgroup's 64 x 64 share of dQ as m64n64.
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{rows}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, \{{", kernel.ptx)
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D // 2}k16\.f32\.bf16\.bf16", kernel.ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
     m = re.search(r"flexgen_bwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
@@ -92,6 +94,21 @@ def test_backward_family_default_and_refusals():
     assert "multiple of its tile" in families.named("sm90").refusal(Call("bwd", "sm_90a", 128, "bf16", mask_block=(32, 128)))
 
 
+def test_backward_query_rows_per_step():
+    """128 query rows per step at D = 64 (families.SM90.BWD_WIDE), except with a score_mod, a mod reading buffers or
+    a block mask of 64-row blocks; 64 at D = 128."""
+    def rows(score=None, mask=None, D=64, block=None):
+        return make_spec("bwd", score, mask, head_dim=D, arch="sm_90a", mask_block=block, **SM90).block_m
+
+    assert rows() == 128 and rows(mask=V.causal) == 128 and rows(mask=V.causal, block=(128, 128)) == 128
+    assert rows(mask=V.sliding_window(256), block=(256, 128)) == 128
+    assert rows(mask=V.causal, block=(64, 128)) == 64
+    assert rows(V.softcap(30.0), V.causal) == 64 and rows(V.alibi(8)) == 64
+    doc_ids = torch.zeros(256, dtype=torch.int32)
+    assert rows(mask=V.document(doc_ids)) == 64
+    assert rows(D=128) == 64 and rows(mask=V.causal, D=128) == 64
+
+
 def test_planning_refuses_what_the_sm90_backward_does_not_cover():
     with pytest.raises(ValueError, match="tile"):
         make_spec("bwd", None, None, head_dim=128, arch="sm_90a", block_n=64, **SM90)
@@ -122,10 +139,23 @@ def test_sm90_backward_variants(name, D):
 @hopper
 @pytest.mark.parametrize("lq,lkv", [(1, 1), (17, 17), (1, 1000), (1000, 17), (700, 1100), (2049, 300)])
 @pytest.mark.parametrize("name", ["none", "causal"])
-def test_sm90_backward_lengths(name, lq, lkv):
+@pytest.mark.parametrize("D", [64, 128])
+def test_sm90_backward_lengths(name, lq, lkv, D):
     from test_gpu_backward import Shape, check_variant
 
-    check_variant(name, Shape(1, 2, lq, lkv), 128, torch.bfloat16, kernel_options=SM90)
+    check_variant(name, Shape(1, 2, lq, lkv), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name,block", [("causal", (64, 128)), ("sliding_window", (256, 128)), ("causal", (128, 256))])
+def test_sm90_backward_d64_block_sizes(name, block):
+    """At D = 64 the backward steps over 128 query rows, or 64 under a block mask of 64-row blocks; a larger block
+    is walked in several steps."""
+    from test_gpu_backward import Shape, check_variant
+
+    check_variant(name, Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90,
+                  bm_kwargs={"BLOCK_SIZE": block})
 
 
 @gpu

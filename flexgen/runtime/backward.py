@@ -50,6 +50,10 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
     return max(1, min(num_kv_tiles, want))
 
 
+# The sm90 backward adds dQ by TMA reductions of 64-row boxes: each consumer warpgroup's share of a step
+# (templates/sm90/bwd.cu.j2, DQ_ROWS).
+DQ_BOX_ROWS = 64
+
 # Deterministic mode: at most this many bytes of per-warp buffer-gradient copies (fewer splits,
 # then an error, past it).
 DETERMINISTIC_GRAD_BYTES = 1 << 30
@@ -216,7 +220,7 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         p.q_map, p.do_map = tile_map(q, spec.block_m), tile_map(do, spec.block_m)
         p.k_map, p.v_map = tile_map(k, spec.block_n), tile_map(v, spec.block_n)
         if dq_accum is not None and not deterministic:  # dQ added by TMA reductions (deterministic: ordered adds)
-            p.dq_map = tile_map(dq_accum[0], spec.block_m)
+            p.dq_map = tile_map(dq_accum[0], DQ_BOX_ROWS)
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None

@@ -32,6 +32,7 @@ class Call:
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
     mod_ops: int = 0  # operations in score_mod and mask_mod together
+    scored: bool = False  # a score_mod
     max_scores: bool = False  # a forward that also writes the row max of the scores
 
 
@@ -184,6 +185,11 @@ class SM90(Family):
     THREE_WG_MAX_OPS = 24
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
+    # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
+    # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
+    # at D = 128), unless a score_mod's gradient or a mod's buffer reads come in (softcap spills 40 B, documents
+    # 8 B); a block mask's query blocks must then be multiples of 128.
+    BWD_WIDE = (128, 128, 8, 2)
 
     def arch_refusal(self, arch: str) -> str | None:
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
@@ -217,10 +223,15 @@ class SM90(Family):
             three = call.head_dim == 64 and small_mods and (unmasked or blocked)
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
-            cfg = dict(zip(TILE_FIELDS, self.BWD))
+            cfg = dict(zip(TILE_FIELDS, self._backward_tile(call)))
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
         return cfg
+
+    def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
+        rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
+        wide = call.head_dim == 64 and not call.scored and not call.mod_loads and rows_fit
+        return self.BWD_WIDE if wide else self.BWD
 
     def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:
         # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh: the

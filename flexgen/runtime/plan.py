@@ -52,6 +52,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 masked=mask_expr is not None,
                 mod_loads=any(e is not None and bool(buffers_of(e)) for e in (score_expr, mask_expr)),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
+                scored=score_expr is not None,
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
