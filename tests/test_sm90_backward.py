@@ -36,15 +36,16 @@ gpu = pytest.mark.gpu
 def test_compiles_and_matches_host_layouts(name, D):
     score, mask = cpu_variants()[name]
     spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
-    # Query rows per step: 128 at D = 64 for mods without a score_mod or buffer reads (families.SM90.BWD_WIDE).
-    rows = 128 if D == 64 and score is None and not (mask and mask.buffers) else 64
+    # Query rows per step: 128 at D = 64 (families.SM90.BWD_WIDE) unless mask_mod reads buffers or score_mod
+    # loads an element per score.
+    rows = 128 if D == 64 and name not in ("document", "relative_bias") else 64
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (rows, 128, 8, 2)
     assert families.of(spec).threads_per_cta(spec) == 384  # a producer warpgroup beside two consumer ones
     kernel = jit.get_kernel(spec)
     assert "sm90 family" in kernel.source
-    # NVRTC 13.5: spill-free except relative_bias at D=128 (its table pointer next to dK and dV);
-    # more is a regression.
-    limit = 256 if name == "relative_bias" else 0
+    # NVRTC 13.5: spill-free except relative_bias (its table pointer next to dK and dV), and at D = 64 over
+    # 128-row steps softcap with a mask (on the partial tiles); more is a regression.
+    limit = 256 if name == "relative_bias" else 40 if (name, D) == ("softcap_causal", 64) else 0
     # (.get: NVRTC 13.0, on the GPU machine, returns no ptxas report.)
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
     # The five products: S^T and dP^T as m64n{rows} (shared A, B), dK and dV as m64n{D} (A in registers),
@@ -95,17 +96,18 @@ def test_backward_family_default_and_refusals():
 
 
 def test_backward_query_rows_per_step():
-    """128 query rows per step at D = 64 (families.SM90.BWD_WIDE), except with a score_mod, a mod reading buffers or
-    a block mask of 64-row blocks; 64 at D = 128."""
+    """128 query rows per step at D = 64 (families.SM90.BWD_WIDE), except under a block mask of 64-row blocks or
+    for a mask_mod reading buffers or a score_mod loading an element per score; 64 at D = 128."""
     def rows(score=None, mask=None, D=64, block=None):
         return make_spec("bwd", score, mask, head_dim=D, arch="sm_90a", mask_block=block, **SM90).block_m
 
     assert rows() == 128 and rows(mask=V.causal) == 128 and rows(mask=V.causal, block=(128, 128)) == 128
     assert rows(mask=V.sliding_window(256), block=(256, 128)) == 128
     assert rows(mask=V.causal, block=(64, 128)) == 64
-    assert rows(V.softcap(30.0), V.causal) == 64 and rows(V.alibi(8)) == 64
+    assert rows(V.softcap(30.0), V.causal) == 128 and rows(V.alibi(8)) == 128
     doc_ids = torch.zeros(256, dtype=torch.int32)
     assert rows(mask=V.document(doc_ids)) == 64
+    assert rows(V.relative_bias(torch.zeros(2, 511))) == 64
     assert rows(D=128) == 64 and rows(mask=V.causal, D=128) == 64
 
 

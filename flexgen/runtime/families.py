@@ -31,6 +31,7 @@ class Call:
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
+    mask_loads: bool = False  # mask_mod reads a buffer
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     scored: bool = False  # a score_mod
     max_scores: bool = False  # a forward that also writes the row max of the scores
@@ -187,8 +188,9 @@ class SM90(Family):
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
     # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
-    # at D = 128), unless a score_mod's gradient or a mod's buffer reads come in (softcap spills 40 B, documents
-    # 8 B); a block mask's query blocks must then be multiples of 128.
+    # at D = 128; softcap with a mask spills 40 B on the mask's partial tiles and still gains 2%). Not for a
+    # mask_mod that reads buffers (documents spill 8 B per step and lost 3-34%) nor a score_mod that loads an
+    # element per score (a relative-bias table spills 228 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
 
     def arch_refusal(self, arch: str) -> str | None:
@@ -230,7 +232,7 @@ class SM90(Family):
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
-        wide = call.head_dim == 64 and not call.scored and not call.mod_loads and rows_fit
+        wide = call.head_dim == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
         return self.BWD_WIDE if wide else self.BWD
 
     def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:

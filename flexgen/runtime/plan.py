@@ -51,6 +51,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 masked=mask_expr is not None,
                 mod_loads=any(e is not None and bool(buffers_of(e)) for e in (score_expr, mask_expr)),
+                mask_loads=mask_expr is not None and bool(buffers_of(mask_expr)),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
                 scored=score_expr is not None,
                 max_scores=bool(dict(extra).get("max_scores", False)))
