@@ -169,11 +169,46 @@ def test_simplify_preserves_values(e, seed):
         else:
             # float32 reads the correctly rounded folded constant where float32 arithmetic
             # may have been an ulp off, and what follows can amplify that (exp of a large
-            # constant, say): a looser check
+            # constant, say; a cancellation such as log1p(erf(x)) near -1): a looser check, or
+            # else the folded form must be no further from the float64 value than float32 was
             if before.dtype.is_floating_point:
                 huge = before.abs() > 1e20
                 before, after = torch.where(huge, 0.0, before), torch.where(huge, 0.0, after)
-            assert same_values(before, after, rtol=1e-3, atol=1e-5), (e, out)
+            exact = _float64_value(e, inputs, buffers, params)
+            assert same_values(before, after, rtol=1e-3, atol=1e-5) or _no_further(after, before, exact), (e, out)
+
+
+def _float64_value(e, inputs, buffers, params):
+    """e evaluated in float64 on the same (float32) inputs and buffers."""
+    up = {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
+    bufs = {n: t.double() if t.is_floating_point() else t for n, t in buffers.items()}
+    return _eval(e, up, bufs, params, torch.float64)
+
+
+def _no_further(after, before, exact) -> bool:
+    """Every element of `after` within float32's own error of the float64 value (that of `before`), where all three
+    are finite floats."""
+    if exact is None or not before.dtype.is_floating_point:
+        return False
+    after, before, exact = (torch.broadcast_to(t, exact.shape).double() for t in (after, before, exact))
+    if not (after.isfinite().all() and before.isfinite().all() and exact.isfinite().all()):
+        return False
+    slack = 1e-3 * exact.abs() + 1e-5
+    return bool(((after - exact).abs() <= (before - exact).abs() + slack).all())
+
+
+def test_simplify_keeps_a_cancellation_within_float32_error():
+    """log1p(erf(log1p(erf(-1.5)))): the inner erf folds to -1 + 1.7e-6, which float32 holds only to a few percent,
+    so log1p of it and float32 arithmetic on the whole expression differ by 0.3% (found by the property above); both
+    are about 0.1% from the float64 value, which is as close as float32 gets there."""
+    e = ir.unary("log1p", ir.unary("erf", ir.unary("log1p", ir.unary("erf", k(-1.5)))))
+    out = simplify(e)
+    args = (make_inputs(0, float_dtype=torch.float32), make_buffers(0, torch.float32), make_params(0), torch.float32)
+    before, after = evaluate(e, *args), evaluate(out, *args)
+    exact = torch.tensor(math.log1p(math.erf(math.log1p(math.erf(-1.5)))), dtype=torch.float64)
+    assert not same_values(before, after, rtol=1e-3, atol=1e-5)
+    assert _no_further(after, before, exact)
+    assert not _no_further(after + 0.1, before, exact)  # (the bound is float32's own error, not any difference)
 
 
 # ---------------------------------------------------------------- rounding ops, fmod, isnan
