@@ -3,7 +3,9 @@
     ncu --kernel-name regex:flexgen_bwd --launch-skip 1 --launch-count 1 --set detailed \
         python benchmarks/profile_one.py --variant causal --seqlen 4096 --head-dim 128
 
-Runs the pair twice (the first call compiles and warms up), then synchronizes.
+Runs the pair twice (the first call compiles and warms up), then synchronizes. `--impl fa4` runs FlashAttention-4's
+`flash_attn_func` instead (full or causal; benchmarks/fa4_setup.sh installs it), for profiling it beside flexgen:
+its kernels' names come from CuTe DSL (list them with `nsys profile --stats=true` or ncu without a name filter).
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kernel-options", default=None, help="JSON dict passed to flex_attention")
     p.add_argument("--fwd-only", action="store_true")
+    p.add_argument("--impl", default="flexgen", choices=("flexgen", "fa4"))
     args = p.parse_args()
+    if args.impl == "fa4":
+        return run_fa4(args)
     opts = json.loads(args.kernel_options) if args.kernel_options else None
     n, d = args.seqlen, args.head_dim
     q, k, v = (torch.randn(args.batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -44,6 +49,22 @@ def main() -> None:
         bm = flexgen.create_block_mask(flexgen.variants.document(ids), None, None, n, n)
     for _ in range(2):
         out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, kernel_options=opts)
+        if not args.fwd_only:
+            out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    print("ok", tuple(out.shape))
+
+
+def run_fa4(args) -> None:
+    if args.variant not in ("none", "causal"):
+        raise SystemExit(f"--impl fa4 runs full or causal attention, not {args.variant!r}")
+    from flash_attn.cute.interface import flash_attn_func
+
+    shape = (args.batch, args.seqlen, args.heads, args.head_dim)  # FA4's layout (B, N, H, D)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, causal=args.variant == "causal")
+        out = out[0] if isinstance(out, tuple) else out
         if not args.fwd_only:
             out.backward(torch.ones_like(out))
     torch.cuda.synchronize()
