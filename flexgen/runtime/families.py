@@ -33,7 +33,6 @@ class Call:
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
     mask_loads: bool = False  # mask_mod reads a buffer
     mod_ops: int = 0  # operations in score_mod and mask_mod together
-    scored: bool = False  # a score_mod
     max_scores: bool = False  # a forward that also writes the row max of the scores
 
 

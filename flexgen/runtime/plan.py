@@ -46,14 +46,14 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
     unknown = sorted({name for name, _ in tiles} - set(TILE_FIELDS))
     if unknown:
         raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")
+    score_loads = score_expr is not None and bool(buffers_of(score_expr))
+    mask_loads = mask_expr is not None and bool(buffers_of(mask_expr))
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 masked=mask_expr is not None,
-                mod_loads=any(e is not None and bool(buffers_of(e)) for e in (score_expr, mask_expr)),
-                mask_loads=mask_expr is not None and bool(buffers_of(mask_expr)),
+                mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
-                scored=score_expr is not None,
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
