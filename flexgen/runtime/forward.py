@@ -89,8 +89,8 @@ def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
     walks: over 192-row tiles the union of the query blocks each touches (runtime/coarse_rows.py), checked against
     the kernel's tile."""
     check_block_grid(bm, query, key)
-    if _walks_row_unions(spec) and bm.BLOCK_SIZE[0] % spec.block_m:
-        bm = coarse_rows(bm, spec.block_m)
+    if _walks_row_unions(spec):
+        bm = coarse_rows(bm, spec.block_m)  # (the mask itself where its query blocks fit the tile)
     check_block_tiles(bm, spec)
     return bm
 
