@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .blockmask import LARGE_BLOCK_SIZE, BlockMask, _sliced_mask_mod
+from .blockmask import LARGE_BLOCK_SIZE, BlockMask, sliced_mask_mod
 from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
@@ -90,7 +90,7 @@ def _refuse_sliced_mask(block_mask) -> None:
     """A sliced BlockMask (flexgen's or PyTorch's) has a stub for its mask_mod: say so before any length check, as
     PyTorch does."""
     stub = getattr(block_mask, "mask_mod", None)
-    if stub is _sliced_mask_mod or getattr(stub, "__name__", "") == "_sliced_mask_mod_error":
+    if stub is sliced_mask_mod or getattr(stub, "__name__", "") == "_sliced_mask_mod_error":
         raise RuntimeError("flex_attention: Cannot use mask_mod from a sliced BlockMask: this BlockMask was sliced "
                            "(block_mask[...]); set its mask_mod to one written for the slice, or build a new mask")
 

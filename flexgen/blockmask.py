@@ -27,7 +27,7 @@ LARGE_BLOCK_SIZE = 1 << 30
 _EVAL_CHUNK_ELEMENTS = 1 << 24
 
 
-def _sliced_mask_mod(b, h, q_idx, kv_idx):
+def sliced_mask_mod(b, h, q_idx, kv_idx):
     raise RuntimeError(
         "this BlockMask was sliced (block_mask[...]), so it has no mask_mod: the slice's batch, head and query "
         "positions no longer match the original's. Set sliced.mask_mod to a mask_mod written for the slice "
@@ -35,7 +35,7 @@ def _sliced_mask_mod(b, h, q_idx, kv_idx):
     )
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
     """PyTorch's choice for device=None, the current accelerator, where one is usable; else the CPU
     (a CUDA build of torch names CUDA even on a machine with no GPU)."""
     return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
@@ -56,7 +56,7 @@ def _pair(block_size) -> tuple[int, int]:
     return int(q), int(kv)
 
 
-def _dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., rows, cols) bool -> per-row counts and the column indices, present ones first."""
     counts = blocks.sum(-1, dtype=torch.int32)
     # A stable partition (present columns in order, then the absent ones), by prefix sums: linear,
@@ -69,7 +69,7 @@ def _dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order
 
 
-def _lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
+def lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
     present = torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
     dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=indices.device)
     # Absent slots scatter into a spare column that is dropped afterwards.
@@ -140,9 +140,9 @@ class BlockMask:
                 f"{kv_blocks} KV blocks; the lists need a column for each"
             )
         kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where)
-        partial = _lists_to_dense(kv_num_blocks, kv_indices, n_kv)
+        partial = lists_to_dense(kv_num_blocks, kv_indices, n_kv)
         check.no_repeats(kv_num_blocks, partial, "kv", where)
-        q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2)) if compute_q_blocks else (None, None)
+        q_num, q_idx = dense_to_lists(partial.transpose(-1, -2)) if compute_q_blocks else (None, None)
         fq_num = fq_idx = None
         if full_kv_num_blocks is not None:
             full_kv_num_blocks, full_kv_indices = check.block_lists(full_kv_num_blocks, full_kv_indices, kv_blocks,
@@ -152,11 +152,11 @@ class BlockMask:
                     f"{where}: full_kv_indices {tuple(full_kv_indices.shape)} on {full_kv_indices.device} must match "
                     f"kv_indices {tuple(kv_indices.shape)} on {kv_indices.device} in (nQ, nKV) and device"
                 )
-            full = _lists_to_dense(full_kv_num_blocks, full_kv_indices, n_kv)
+            full = lists_to_dense(full_kv_num_blocks, full_kv_indices, n_kv)
             check.no_repeats(full_kv_num_blocks, full, "full_kv", where)
             check.disjoint(partial, full, where)
             if compute_q_blocks:
-                fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
+                fq_num, fq_idx = dense_to_lists(full.transpose(-1, -2))
         return cls(
             seq_lengths=tuple(seq_lengths),
             kv_num_blocks=kv_num_blocks,
@@ -174,10 +174,10 @@ class BlockMask:
     @classmethod
     def from_dense_blocks(cls, full: torch.Tensor, partial: torch.Tensor, block_size, seq_lengths, mask_mod) -> "BlockMask":
         """From (B, H, nQ, nKV) booleans: which blocks are full and which partial."""
-        kv_num, kv_idx = _dense_to_lists(partial)
-        fkv_num, fkv_idx = _dense_to_lists(full)
-        q_num, q_idx = _dense_to_lists(partial.transpose(-1, -2))
-        fq_num, fq_idx = _dense_to_lists(full.transpose(-1, -2))
+        kv_num, kv_idx = dense_to_lists(partial)
+        fkv_num, fkv_idx = dense_to_lists(full)
+        q_num, q_idx = dense_to_lists(partial.transpose(-1, -2))
+        fq_num, fq_idx = dense_to_lists(full.transpose(-1, -2))
         return cls(tuple(seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, _pair(block_size), mask_mod)
 
     @classmethod
@@ -235,7 +235,7 @@ class BlockMask:
         pick = lambda t: None if t is None else t[picks]  # noqa: E731
         return BlockMask.from_kv_blocks(
             pick(self.kv_num_blocks), pick(self.kv_indices), pick(self.full_kv_num_blocks), pick(self.full_kv_indices),
-            self.BLOCK_SIZE, _sliced_mask_mod if self.mask_mod is not None else None, self.seq_lengths,
+            self.BLOCK_SIZE, sliced_mask_mod if self.mask_mod is not None else None, self.seq_lengths,
         )
 
     @property
@@ -278,7 +278,7 @@ class BlockMask:
         return self._map_tensors(lambda t: t.expand(b, h, *t.shape[2:]))
 
     def _dense(self, counts, indices) -> torch.Tensor:
-        return _lists_to_dense(counts, indices, self.kv_indices.shape[-1])
+        return lists_to_dense(counts, indices, self.kv_indices.shape[-1])
 
     def to_dense(self) -> torch.Tensor:
         """(B, H, nQ, nKV) int32: 1 where a block is visited (partial or full)."""
@@ -467,7 +467,7 @@ def create_mask(mod_fn, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
     kernels' own. Mods, plain functions (4 arguments: mask_mod, 5: score_mod) and text."""
     from .dsl import api as dsl_api
 
-    device = _default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else torch.device(device)
     B, H = B or 1, H or 1
     mod = mod_fn if isinstance(mod_fn, Mod) else getattr(dsl_api, f"{_mod_kind(mod_fn)}_mod")(mod_fn)
     b, h, q, kv = (torch.arange(n, device=device).view([-1 if d == i else 1 for d in range(4)])

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import blockmask_validate as check
-from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, _default_device, block_mask_of, reads_batch_heads
+from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, default_device, block_mask_of, reads_batch_heads
 from .dsl.api import as_mask_mod
 from .dynamo_marks import assume_constant_result
 
@@ -46,7 +46,7 @@ def create_block_mask(
         raise ValueError(f"{where}: Q_LEN and KV_LEN must be positive ints, got {Q_LEN!r} and {KV_LEN!r}")
     bq, bkv = check.block_size(BLOCK_SIZE, where)
     mod = as_mask_mod(mask_mod)
-    device = _default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else torch.device(device)
     return block_mask_of(mod, B or 1, H or 1, Q_LEN, KV_LEN, bq, bkv, device)._broadcast_to(B or 1, H or 1)
 
 

@@ -5,16 +5,16 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.blockmask import _lists_to_dense
+from flexgen.blockmask import lists_to_dense
 from flexgen.runtime.coarse_rows import coarse_rows
 
 
 def _state(bm) -> torch.Tensor:
     """(B, H, nQ, nKV): 0 absent, 1 partial (mask_mod decides), 2 full."""
     cols = bm.kv_indices.shape[-1]
-    state = _lists_to_dense(bm.kv_num_blocks, bm.kv_indices, cols).to(torch.int8)
+    state = lists_to_dense(bm.kv_num_blocks, bm.kv_indices, cols).to(torch.int8)
     if bm.full_kv_num_blocks is not None:
-        state = state + 2 * _lists_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, cols).to(torch.int8)
+        state = state + 2 * lists_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, cols).to(torch.int8)
     return state
 
 

@@ -245,7 +245,7 @@ def _block_layout(bm, B: int, Hq: int, Lq: int, Lkv: int, device) -> tuple[torch
 
 def _dense_blocks(counts: torch.Tensor, indices: torch.Tensor, cols: int, B: int, Hq: int) -> torch.Tensor:
     """(B or 1, H or 1, q blocks, cols) bools from per-row counts and block indices, checked."""
-    from ..blockmask import _lists_to_dense
+    from ..blockmask import lists_to_dense
 
     if indices.dim() != 4 or counts.shape != indices.shape[:-1]:
         raise ValueError(
@@ -259,7 +259,7 @@ def _dense_blocks(counts: torch.Tensor, indices: torch.Tensor, cols: int, B: int
     present = torch.arange(slots, device=indices.device) < counts[..., None]
     if bool((counts < 0).any()) or bool((counts > slots).any()) or bool((present & ((indices < 0) | (indices >= cols))).any()):
         raise ValueError(f"block mask lists block counts outside [0, {slots}] or block indices outside [0, {cols})")
-    return _lists_to_dense(counts, indices, cols)
+    return lists_to_dense(counts, indices, cols)
 
 
 def _check_shapes(q, k, v, enable_gqa):

@@ -38,7 +38,7 @@ from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments
 from .call_checks import empty_like_layout
-from .forward import LOG2E, _bh_strides, set_dropout
+from .forward import LOG2E, bh_strides, set_dropout
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .schedule import sm_count
@@ -102,12 +102,12 @@ def _set_mask(p, bm, batch: int, heads: int) -> None:
     p.has_block_mask = 1
     p.mask_q_block, p.mask_kv_block = bm.BLOCK_SIZE
     p.q_num_blocks, p.q_indices = bm.q_num_blocks.data_ptr(), bm.q_indices.data_ptr()
-    p.qn_stride_b, p.qn_stride_h, p.qn_stride_kv = _bh_strides(bm.q_num_blocks, batch, heads)
-    p.qi_stride_b, p.qi_stride_h, p.qi_stride_kv = _bh_strides(bm.q_indices, batch, heads)
+    p.qn_stride_b, p.qn_stride_h, p.qn_stride_kv = bh_strides(bm.q_num_blocks, batch, heads)
+    p.qi_stride_b, p.qi_stride_h, p.qi_stride_kv = bh_strides(bm.q_indices, batch, heads)
     if bm.full_q_num_blocks is not None:
         p.full_q_num_blocks, p.full_q_indices = bm.full_q_num_blocks.data_ptr(), bm.full_q_indices.data_ptr()
-        p.fqn_stride_b, p.fqn_stride_h, p.fqn_stride_kv = _bh_strides(bm.full_q_num_blocks, batch, heads)
-        p.fqi_stride_b, p.fqi_stride_h, p.fqi_stride_kv = _bh_strides(bm.full_q_indices, batch, heads)
+        p.fqn_stride_b, p.fqn_stride_h, p.fqn_stride_kv = bh_strides(bm.full_q_num_blocks, batch, heads)
+        p.fqi_stride_b, p.fqi_stride_h, p.fqi_stride_kv = bh_strides(bm.full_q_indices, batch, heads)
 
 
 def _int32_lists(bm):

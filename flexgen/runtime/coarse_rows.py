@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from ..blockmask import BlockMask, _dense_to_lists, _lists_to_dense
-from .schedule import _cached, _capturing
+from ..blockmask import BlockMask, dense_to_lists, lists_to_dense
+from .mask_cache import cached_per_mask, capturing
 
 
 def coarse_rows(block_mask, rows: int):
     """`block_mask` over query tiles of `rows` rows (BLOCK_SIZE (rows, its KV block)); the mask itself where its
-    query blocks are already a multiple of `rows`. Cached per count tensor like the forward's work order
-    (runtime/schedule.py); computed afresh under CUDA-graph capture, where a cached tensor's address must not
+    query blocks are already a multiple of `rows`. Cached per count tensor (runtime/mask_cache.py); computed afresh under CUDA-graph capture, where a cached tensor's address must not
     be captured."""
     bq, bkv = block_mask.BLOCK_SIZE
     if bq % rows == 0:
         return block_mask
     counts, full_counts = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
-    if _capturing(counts):
+    if capturing(counts):
         return _coarsen(block_mask, rows)
     key = ("rows", id(counts), id(full_counts), rows, block_mask.seq_lengths, bq)
-    return _cached(key, counts, full_counts, lambda: _coarsen(block_mask, rows))
+    return cached_per_mask(key, counts, full_counts, lambda: _coarsen(block_mask, rows))
 
 
 def _coarsen(block_mask, rows: int) -> BlockMask:
@@ -35,9 +34,9 @@ def _coarsen(block_mask, rows: int) -> BlockMask:
     q_len, kv_len = block_mask.seq_lengths
     cols = block_mask.kv_indices.shape[-1]
     device = block_mask.kv_indices.device
-    partial = _lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, cols)
+    partial = lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, cols)
     if block_mask.full_kv_num_blocks is not None:
-        full = _lists_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, cols)
+        full = lists_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, cols)
     else:
         full = torch.zeros_like(partial)
     tiles = torch.arange(-(-q_len // rows), device=device)
@@ -47,8 +46,8 @@ def _coarsen(block_mask, rows: int) -> BlockMask:
     blocks = torch.minimum(first[:, None] + torch.arange(touched, device=device), last[:, None])  # (tiles, touched)
     listed = (partial | full)[..., blocks, :].any(dim=-2)  # (..., tiles, cols)
     all_full = full[..., blocks, :].all(dim=-2)
-    kv_num, kv_idx = _dense_to_lists(listed & ~all_full)
-    full_num, full_idx = _dense_to_lists(all_full)
+    kv_num, kv_idx = dense_to_lists(listed & ~all_full)
+    full_num, full_idx = dense_to_lists(all_full)
     return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
                      full_kv_indices=full_idx, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
                      full_q_indices=None, BLOCK_SIZE=(rows, bkv), mask_mod=block_mask.mask_mod)

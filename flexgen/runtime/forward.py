@@ -34,7 +34,7 @@ def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
     p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
-def _bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
+def bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
     """Strides of a (B or 1, H or 1, nQ, ...) block-mask tensor; size-1 dims broadcast (stride 0)."""
     if t is None:
         return 0, 0, 0
@@ -68,13 +68,13 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
         p.has_block_mask = 1
         p.mask_q_block, p.mask_kv_block = block_mask.BLOCK_SIZE
         p.kv_num_blocks, p.kv_indices = block_mask.kv_num_blocks.data_ptr(), block_mask.kv_indices.data_ptr()
-        p.kvn_stride_b, p.kvn_stride_h, p.kvn_stride_q = _bh_strides(block_mask.kv_num_blocks, batch, heads)
-        p.kvi_stride_b, p.kvi_stride_h, p.kvi_stride_q = _bh_strides(block_mask.kv_indices, batch, heads)
+        p.kvn_stride_b, p.kvn_stride_h, p.kvn_stride_q = bh_strides(block_mask.kv_num_blocks, batch, heads)
+        p.kvi_stride_b, p.kvi_stride_h, p.kvi_stride_q = bh_strides(block_mask.kv_indices, batch, heads)
         if block_mask.full_kv_num_blocks is not None:
             p.full_kv_num_blocks = block_mask.full_kv_num_blocks.data_ptr()
             p.full_kv_indices = block_mask.full_kv_indices.data_ptr()
-            p.fkvn_stride_b, p.fkvn_stride_h, p.fkvn_stride_q = _bh_strides(block_mask.full_kv_num_blocks, batch, heads)
-            p.fkvi_stride_b, p.fkvi_stride_h, p.fkvi_stride_q = _bh_strides(block_mask.full_kv_indices, batch, heads)
+            p.fkvn_stride_b, p.fkvn_stride_h, p.fkvn_stride_q = bh_strides(block_mask.full_kv_num_blocks, batch, heads)
+            p.fkvi_stride_b, p.fkvi_stride_h, p.fkvi_stride_q = bh_strides(block_mask.full_kv_indices, batch, heads)
     if spec.dropout:
         set_dropout(p, dropout_p, philox)
     p.mod = mod_args

@@ -4,9 +4,10 @@ backward, which KV tile each persistent CTA takes at each turn."""
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
+
+from .mask_cache import cached_per_mask, capturing
 
 # The K and V of one chunk of (batch, head) pairs should take at most this share of the L2 cache: they are
 # read by every CTA working on the chunk, while Q, O and the next chunk's K and V pass through beside them.
@@ -16,14 +17,13 @@ _L2_SHARE = 1 / 3
 def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
     """The query tiles of `block_m` rows, heaviest first, as int32 indices: a tile weighs the number of KV
     blocks the mask lists for its query block (partial and full), summed over batch and heads. Ties keep
-    the later tile first (causal). Cached per count tensor, so the layers of a model that share one mask
-    (each call rebuilds the BlockMask around the same tensors) compute it once. None under CUDA-graph
-    capture (_capturing)."""
+    the later tile first (causal). Cached per count tensor (runtime/mask_cache.py); None under CUDA-graph
+    capture."""
     counts, full = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
-    if _capturing(counts):
+    if capturing(counts):
         return None
     key = (id(counts), id(full), block_m, block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0])
-    return _cached(key, counts, full, lambda: _query_tile_order(counts, full, block_mask, block_m))
+    return cached_per_mask(key, counts, full, lambda: _query_tile_order(counts, full, block_mask, block_m))
 
 
 def _query_tile_order(counts, full, block_mask, block_m: int) -> torch.Tensor:
@@ -33,33 +33,6 @@ def _query_tile_order(counts, full, block_mask, block_m: int) -> torch.Tensor:
     tiles = torch.arange(-(-q_len // block_m) - 1, -1, -1, device=per_block.device)  # later tiles first among equals
     weight = per_block[tiles * block_m // q_block]
     return tiles[torch.sort(weight, descending=True, stable=True).indices].to(torch.int32)
-
-
-def _cached(key: tuple, counts: torch.Tensor, full: torch.Tensor | None, make) -> torch.Tensor:
-    """make()'s result, kept under `key` while `counts` lives and neither count tensor changes in place."""
-    hit = _orders.get(key)
-    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
-        return hit[2]
-    made = make()
-    if len(_orders) >= _MAX_ORDERS:
-        _orders.clear()
-    _orders[key] = (weakref.ref(counts), _versions(counts, full), made)
-    return made
-
-
-def _versions(counts: torch.Tensor, full: torch.Tensor | None) -> tuple[int, int]:
-    """In-place changes to the mask's tensors bump their versions and invalidate the cached order."""
-    return counts._version, -1 if full is None else full._version
-
-
-_MAX_ORDERS = 256
-_orders: dict[tuple, tuple] = {}
-
-
-def _capturing(counts: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured, when the orders are not handed out: a graph keeps the address
-    it was captured with, and a cached order may be freed while the graph lives."""
-    return counts.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,
@@ -73,13 +46,13 @@ def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads
     query heads, plus one for its K / V loads and dK / dV epilogue. (The static walk leaves causal masks a
     long tail where the CTAs' stride nearly divides the tiles per head; sorting tiles across turns balances
     better but breaks the L2 sharing: docs/scheduling.md.) Int32 on the mask's device, cached per count tensor
-    as query_tile_order; None under CUDA-graph capture (_capturing; the kernel then walks statically)."""
+    as query_tile_order; None under CUDA-graph capture (the kernel then walks statically)."""
     counts, full = block_mask.q_num_blocks, block_mask.full_q_num_blocks
-    if _capturing(counts):
+    if capturing(counts):
         return None
     key = ("kv", id(counts), id(full), block_n, num_kv_tiles, batch, heads, kv_heads, ctas, block_mask.BLOCK_SIZE[1])
-    return _cached(key, counts, full, lambda: _kv_tile_turns(counts, full, block_mask, block_n, num_kv_tiles, batch,
-                                                             heads, kv_heads, ctas))
+    return cached_per_mask(key, counts, full, lambda: _kv_tile_turns(counts, full, block_mask, block_n, num_kv_tiles,
+                                                                     batch, heads, kv_heads, ctas))
 
 
 def _kv_tile_turns(counts, full, block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,

@@ -1,0 +1,34 @@
+"""Host-side tensors derived from a block mask (the sm90 kernels' work orders, coarsened masks), kept per count
+tensor: the layers of a model share one mask, and each call rebuilds the BlockMask around the same tensors, so
+each derived tensor is computed once per mask, not once per layer."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_MAX_ENTRIES = 256
+_entries: dict[tuple, tuple] = {}
+
+
+def cached_per_mask(key: tuple, counts: torch.Tensor, full: torch.Tensor | None, make):
+    """make()'s result, kept under `key` while `counts` lives and neither count tensor changes in place."""
+    hit = _entries.get(key)
+    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
+        return hit[2]
+    made = make()
+    if len(_entries) >= _MAX_ENTRIES:
+        _entries.clear()
+    _entries[key] = (weakref.ref(counts), _versions(counts, full), made)
+    return made
+
+
+def _versions(counts: torch.Tensor, full: torch.Tensor | None) -> tuple[int, int]:
+    """In-place changes to the mask's tensors bump their versions and invalidate what was derived from them."""
+    return counts._version, -1 if full is None else full._version
+
+
+def capturing(counts: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured, when nothing cached is handed out: a graph keeps the address it
+    was captured with, and a cached tensor may be freed while the graph lives."""
+    return counts.is_cuda and torch.cuda.is_current_stream_capturing()
