@@ -48,7 +48,8 @@ def test_sm80_serves_every_target_and_kind(arch):
     (Call("fwd", "sm_90a", 128, "bf16", dropout=True), "no dropout"),
     (Call("bwd", "sm_90a", 128, "bf16", buffer_grads=True), "buffer gradients"),
     (Call("fwd", "sm_90a", 128, "bf16", tiles=(("num_warps", 8),)), "tiles are fixed"),
-    (Call("fwd", "sm_90a", 128, "bf16", mask_block=(64, 128)), r"not a multiple of its tile \(128, 128\)"),
+    (Call("fwd", "sm_90a", 128, "bf16", mask_block=(64, 64)), r"not a multiple of its tile \(128, 128\)"),
+    (Call("bwd", "sm_90a", 128, "bf16", mask_block=(32, 128)), r"not a multiple of its tile \(64, 128\)"),
     (Call("bwd", "sm_90a", 128, "bf16", mask_block=(128, 64)), r"not a multiple of its tile \(64, 128\)"),
 ], ids=lambda x: x if isinstance(x, str) else x.kind)
 def test_sm90_refusals(call, reason):

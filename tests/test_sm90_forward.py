@@ -123,6 +123,8 @@ def test_tile_choice():
         return spec.block_m, spec.block_n, spec.num_warps, spec.num_stages
 
     assert tile(128) == tile(128, mask_block=(128, 128)) == (128, 128, 8, 2)
+    # Any tile under smaller query blocks: it walks their union (runtime/coarse_rows.py).
+    assert tile(128, mask_expr=V.causal.expr, mask_block=(64, 128)) == tile(128, mask_block=(32, 256)) == (128, 128, 8, 2)
     # D = 64: three consumer warpgroups on 192 query rows, also under a block mask of smaller query blocks
     # (runtime/coarse_rows.py), but not where a mod reads a buffer, nor for a mask_mod without its block mask.
     assert tile(64) == (192, 128, 12, 2)
@@ -195,10 +197,20 @@ def test_sm90_three_warpgroups_under_a_block_mask(name, lq, lkv):
 
 @gpu
 @hopper
-def test_sm90_three_warpgroups_under_64_row_blocks_and_in_a_graph():
+@pytest.mark.parametrize("D,name", [(64, "causal"), (64, "document"), (128, "causal"), (128, "sliding_window")])
+@pytest.mark.parametrize("q_block", [32, 64])
+def test_sm90_under_smaller_query_blocks(D, name, q_block):
+    """A mask of query blocks below the tile's rows (192 at D = 64 unless a mod reads buffers, else 128): the
+    tile walks their union (runtime/coarse_rows.py)."""
     from test_gpu_forward import Shape, check_variant
 
-    check_variant("causal", Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90, bm_kwargs={"BLOCK_SIZE": (64, 128)})
+    check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=SM90,
+                  bm_kwargs={"BLOCK_SIZE": (q_block, 128)})
+
+
+@gpu
+@hopper
+def test_sm90_coarse_rows_in_a_graph():
     # Under CUDA-graph capture the union is computed inside the graph, not taken from the cache.
     q, k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     bm = flexgen.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 1000, 1000, device="cuda")

@@ -209,8 +209,8 @@ class SM90(Family):
         if call.mask_block is None:
             return None
         q_block, kv_block = call.mask_block
-        # (a 192-row tile walks the union of the query blocks it touches: runtime/coarse_rows.py)
-        rows_fit = q_block % tile["block_m"] == 0 or tile["block_m"] == self.FWD_THREE_WG[0]
+        # (a forward tile walks the union of the query blocks it touches: runtime/coarse_rows.py)
+        rows_fit = q_block % tile["block_m"] == 0 or call.kind == "fwd"
         if not rows_fit or kv_block % tile["block_n"]:
             return f"block mask BLOCK_SIZE {tuple(call.mask_block)} is not a multiple of its tile " \
                    f"{(tile['block_m'], tile['block_n'])}"
