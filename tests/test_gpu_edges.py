@@ -290,3 +290,30 @@ def test_max_scores(D, with_score_mod):
     err = (got.double() - ref)[~dead].norm().item()
     bar = 2 * (base - ref)[~dead].norm().item() + 1e-4
     assert err <= bar, f"max_scores error {err:.3e} > {bar:.3e}: {tag}"
+
+
+@gpu
+def test_a_thread_whose_first_cuda_work_is_a_flexgen_launch():
+    """A fresh thread has no current CUDA context until something makes one current (PyTorch's autograd worker,
+    where backwards run, may reach flexgen's first launch so): the launch makes the device's primary context
+    current itself instead of failing with CUDA_ERROR_INVALID_CONTEXT."""
+    import threading
+
+    from cupy_backends.cuda.api import driver
+
+    q, k, v = (torch.randn(1, 2, 256, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    want = flexgen.flex_attention(q, k, v)  # compiled and loaded, and the allocator holds blocks to reuse
+    torch.cuda.synchronize()
+    seen = {}
+
+    def work():
+        seen["context before"] = driver.ctxGetCurrent()
+        seen["out"] = flexgen.flex_attention(q, k, v)
+        torch.cuda.synchronize()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "out" in seen, "the launch in a fresh thread failed"
+    assert seen["context before"] == 0  # (else this test shows nothing)
+    assert torch.equal(seen["out"], want)

@@ -95,6 +95,12 @@ class CompiledKernel:
 
         index = runtime.getDevice()
         fn = self.function(index)
+        if driver.ctxGetCurrent() == 0:
+            # The driver API launches in the calling thread's current context. A thread that has made no CUDA
+            # runtime call yet has none: PyTorch's autograd worker, where the backward runs, when nothing before
+            # this launch touched the device there. cudaSetDevice makes the device's primary context (PyTorch's)
+            # current in this thread.
+            runtime.setDevice(index)
         if shared_mem > MAX_STATIC_SHARED and self._smem_opt_in.get(index, 0) < shared_mem:
             driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
             self._smem_opt_in[index] = int(shared_mem)
