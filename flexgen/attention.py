@@ -264,7 +264,8 @@ def flex_attention(
         return _flex_attention_eager(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                      kernel_options, dropout_p, return_aux=return_aux)
     (score_token, score_buffers), (mask_token, mask_buffers) = score_parts, mask_parts
-    variant = variant_key(score_token, mask_token, _static_block_size(bm), kernel_options)
+    variant = variant_key(score_token, mask_token, _static_block_size(bm), kernel_options,
+                          bm is not None and bm.blocks_follow_mask_mod)
     buffers = [*score_buffers, *mask_buffers]
     if torch.is_grad_enabled() and not torch.compiler.is_compiling() and background_compile():
         _compile_backward_early(variant, query, key, value, buffers, bm, dropout_p)

@@ -11,7 +11,7 @@ import functools
 import inspect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -25,6 +25,8 @@ DEFAULT_BLOCK_SIZE = 128
 LARGE_BLOCK_SIZE = 1 << 30
 # Elements evaluated at once when refining undecided tiles (bounds the temporary memory).
 _EVAL_CHUNK_ELEMENTS = 1 << 24
+# BlockMask.blocks_from of lists that came from elsewhere (from_kv_blocks, PyTorch's masks, slices).
+_NOT_DERIVED = object()
 
 
 def sliced_mask_mod(b, h, q_idx, kv_idx):
@@ -98,6 +100,8 @@ class BlockMask:
     full_q_indices: torch.Tensor | None
     BLOCK_SIZE: tuple[int, int]
     mask_mod: Any
+    # The mask_mod the lists were computed from (create_block_mask), else _NOT_DERIVED: see blocks_follow_mask_mod.
+    blocks_from: Any = field(default=_NOT_DERIVED, repr=False, compare=False)
 
     def __post_init__(self):
         # (AssertionError, as PyTorch's BlockMask raises for these)
@@ -196,6 +200,19 @@ class BlockMask:
 
     # ------------------------------------------------------------ views
     @property
+    def blocks_follow_mask_mod(self) -> bool:
+        """Whether the lists were computed from this mask's mask_mod (create_block_mask): then an absent block
+        hides, and a full one shows, every element just as mask_mod does, and a kernel tile may walk the union of
+        several query blocks' lists, mask_mod deciding each element (runtime/coarse_rows.py). Lists made by hand
+        (from_kv_blocks, a block-sparse layout, PyTorch's masks) may disagree with mask_mod, and are walked as
+        they are."""
+        return self.blocks_from is self.mask_mod
+
+    def derived_from_mask_mod(self) -> "BlockMask":
+        """This mask, its lists marked as computed from its mask_mod."""
+        return replace(self, blocks_from=self.mask_mod)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """(B, H, Q_LEN, KV_LEN), as PyTorch's: B and H as stored (1 where they broadcast)."""
         return tuple(self.kv_indices.shape[:-2]) + tuple(self.seq_lengths)
@@ -248,7 +265,7 @@ class BlockMask:
         return BlockMask(
             self.seq_lengths, f(self.kv_num_blocks), f(self.kv_indices), f(self.full_kv_num_blocks),
             f(self.full_kv_indices), f(self.q_num_blocks), f(self.q_indices), f(self.full_q_num_blocks),
-            f(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod,
+            f(self.full_q_indices), self.BLOCK_SIZE, self.mask_mod, self.blocks_from,
         )
 
     def to(self, device) -> "BlockMask":
@@ -270,8 +287,9 @@ class BlockMask:
         partial = kept(self.kv_num_blocks, self.kv_indices)
         full = (kept(self.full_kv_num_blocks, self.full_kv_indices) if self.full_kv_num_blocks is not None
                 else torch.zeros_like(partial))
-        return BlockMask.from_dense_blocks(full, partial, self.BLOCK_SIZE, (int(new_q_len), int(new_kv_len)),
-                                           self.mask_mod)
+        adjusted = BlockMask.from_dense_blocks(full, partial, self.BLOCK_SIZE, (int(new_q_len), int(new_kv_len)),
+                                               self.mask_mod)
+        return adjusted.derived_from_mask_mod() if self.blocks_follow_mask_mod else adjusted
 
     def _broadcast_to(self, b: int, h: int) -> "BlockMask":
         """Stride-0 views to (b, h, ...): masks that ignore b and h are stored once."""
@@ -419,7 +437,8 @@ def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: 
         if partial.any():
             refined_full, partial = _refine(mod, partial, Q_LEN, KV_LEN, bq, bkv, device)
             full |= refined_full
-    return BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN), mod)
+    return BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN),
+                                       mod).derived_from_mask_mod()
 
 
 def reads_batch_heads(mod: Mod | None) -> tuple[bool, bool]:

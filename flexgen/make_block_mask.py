@@ -102,5 +102,5 @@ def _traced_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size: tuple[
     reads_b, reads_h = _batch_heads_read(token)
     lists = block_mask_lists(list(buffers), token, batch if reads_b else 1, heads if reads_h else 1, Q_LEN, KV_LEN,
                              block_size[0], block_size[1], torch.device(device))
-    mask = BlockMask((Q_LEN, KV_LEN), *lists, block_size, mask_mod)
+    mask = BlockMask((Q_LEN, KV_LEN), *lists, block_size, mask_mod).derived_from_mask_mod()
     return mask._broadcast_to(batch, heads)

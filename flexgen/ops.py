@@ -55,7 +55,8 @@ def _block_mask(v, tensors, q: Tensor, k: Tensor, mask_mod=None) -> BlockMask | 
     """The call's block mask; its lengths are the inputs' (flex_attention checked them against the mask's)."""
     if tensors[0] is None:
         return None
-    return BlockMask((q.shape[2], k.shape[2]), *tensors, v.block_size, mask_mod)
+    bm = BlockMask((q.shape[2], k.shape[2]), *tensors, v.block_size, mask_mod)
+    return bm.derived_from_mask_mod() if v.blocks_follow_mask else bm
 
 
 def _reference(q, k, v, masks, buffers, scale, var):
@@ -146,7 +147,7 @@ def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, v
     options = call_options(var.kernel_options)
     if q.device.type == "cuda" and not unfused:
         spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
-                         max_scores=return_max)
+                         max_scores=return_max, blocks_follow_mask=var.blocks_follow_mask)
         if bm is not None:
             _forward_pass.check_block_tiles(bm, spec)  # (the grid was checked above)
 

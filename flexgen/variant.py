@@ -268,6 +268,7 @@ class Variant:
     mask: Mod | None
     block_size: tuple[int, int] | None
     kernel_options: dict
+    blocks_follow_mask: bool = False  # BlockMask.blocks_follow_mask_mod of the call's mask
 
     bound: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -296,19 +297,19 @@ _MAX_VARIANTS = 4096
 
 
 @assume_constant_result
-def variant_key(score_token: str, mask_token: str, block_size, kernel_options) -> str:
+def variant_key(score_token: str, mask_token: str, block_size, kernel_options, blocks_follow_mask: bool = False) -> str:
     """The key the ops carry; registers what it stands for. (Not the block mask's lengths: the ops take them from
     the inputs, which flex_attention has checked against the mask, so a mask's lengths made symbolic under
     torch.compile(dynamic=True) never have to become constants here.)"""
     options = tuple(sorted((kernel_options or {}).items()))
-    key = repr((score_token, mask_token, block_size, options))
+    key = repr((score_token, mask_token, block_size, options, bool(blocks_follow_mask)))
     if key in _VARIANTS:
         _VARIANTS.move_to_end(key)
     else:
         _VARIANTS[key] = Variant(
             mod_for_token(score_token) if score_token else None,
             mod_for_token(mask_token) if mask_token else None,
-            block_size, dict(options),
+            block_size, dict(options), bool(blocks_follow_mask),
         )
         if len(_VARIANTS) > _MAX_VARIANTS:
             _VARIANTS.popitem(last=False)

@@ -98,3 +98,37 @@ def test_block_tiles_check_takes_any_query_block_for_the_sm90_forward():
     bm = flexgen.create_block_mask(causal, None, None, 1000, 1000, device="cpu", BLOCK_SIZE=(128, 64))
     with pytest.raises(ValueError, match="multiple of the kernel tile"):
         check_block_tiles(bm, spec)
+
+
+def test_only_lists_computed_from_the_mask_mod_are_walked_in_unions():
+    """A union of query blocks is exact only where absent and full blocks agree with mask_mod: lists from
+    create_block_mask (and what keeps them: to, _adjust, broadcasting), not hand-made ones, slices, or a mask
+    whose mask_mod was replaced."""
+    from flexgen.codegen.api import make_spec
+    from flexgen.runtime.forward import kernel_block_mask
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    made = flexgen.create_block_mask(causal, None, None, 1000, 1000, device="cpu", BLOCK_SIZE=(64, 128))
+    assert made.blocks_follow_mask_mod and made.to("cpu").blocks_follow_mask_mod
+    assert made._adjust(500, 600).blocks_follow_mask_mod and made._broadcast_to(2, 3).blocks_follow_mask_mod
+    hand = flexgen.BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                                            made.full_kv_indices, made.BLOCK_SIZE, made.mask_mod, made.seq_lengths)
+    assert not hand.blocks_follow_mask_mod and not made[0].blocks_follow_mask_mod
+    assert not flexgen.blockmask.block_sparse_mask(torch.ones(1, 1, 8, 8, dtype=torch.bool)).blocks_follow_mask_mod
+    replaced = made.to("cpu")
+    replaced.mask_mod = lambda b, h, q, kv: q >= kv
+    assert not replaced.blocks_follow_mask_mod
+    q = k = torch.empty(1, 1, 1000, 64)
+    spec = make_spec("fwd", None, causal, head_dim=64, arch="sm_90a", mask_block=(64, 128))
+    assert spec.block_m == 192
+    assert kernel_block_mask(made, q, k, spec).BLOCK_SIZE == (192, 128)
+    with pytest.raises(ValueError, match="multiple of the kernel tile"):
+        kernel_block_mask(hand, q, k, spec)
+    hand_spec = make_spec("fwd", None, causal, head_dim=64, arch="sm_90a", mask_block=(128, 128),
+                          blocks_follow_mask=False)
+    made_128 = flexgen.create_block_mask(causal, None, None, 1000, 1000, device="cpu")
+    hand_128 = flexgen.BlockMask.from_kv_blocks(made_128.kv_num_blocks, made_128.kv_indices, made_128.full_kv_num_blocks,
+                                                made_128.full_kv_indices, 128, causal, (1000, 1000))
+    assert hand_spec.block_m == 128 and kernel_block_mask(hand_128, q, k, hand_spec) is hand_128

@@ -109,13 +109,14 @@ def test_flex_attention_and_emit_plan_the_same_kernel(monkeypatch, kind, options
     by_emit = emit_spec(kind, score, mask, head_dim=head_dim, dtype="fp16", arch="sm_90a", **emit_options)
     assert by_call == by_emit
     assert by_call is by_emit  # one memoized plan: the kernel cache hashes the spec once
-    # `flexgen build` plans for the block mask a masked variant runs with (BLOCK_SIZE 128 by default)
-    # and adds a backward's pre- and post-processing kernels.
+    # `flexgen build` plans for the block mask a masked variant runs with (create_block_mask's, BLOCK_SIZE 128 by
+    # default) and adds a backward's pre- and post-processing kernels.
     built = expand(dict(score_mod=score, mask_mod=mask, head_dim=head_dim, dtype="fp16", kinds=(kind,),
                         **emit_options), ["sm_90a"])
     [by_build] = [s for s in built if s.kind == kind]
     mask_block = (128, 128) if kind in ("fwd", "bwd") else None
-    assert by_build == planning.make_spec(kind, query, score, mask, options, mask_block=mask_block)
+    assert by_build == planning.make_spec(kind, query, score, mask, options, mask_block=mask_block,
+                                          blocks_follow_mask=True)
     if kind == "bwd":
         assert sorted(s.kind for s in built) == ["bwd", "bwd_postprocess", "bwd_preprocess"]
 

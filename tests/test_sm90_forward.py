@@ -122,23 +122,33 @@ def test_tile_choice():
         spec = plan("fwd", "sm_90a", D, "bf16", family="sm90", **kw)
         return spec.block_m, spec.block_n, spec.num_warps, spec.num_stages
 
+    def derived(D, **kw):  # under a mask from create_block_mask
+        return tile(D, blocks_follow_mask=True, **kw)
+
     assert tile(128) == tile(128, mask_block=(128, 128)) == (128, 128, 8, 2)
-    # Any tile under smaller query blocks: it walks their union (runtime/coarse_rows.py).
-    assert tile(128, mask_expr=V.causal.expr, mask_block=(64, 128)) == tile(128, mask_block=(32, 256)) == (128, 128, 8, 2)
-    # D = 64: three consumer warpgroups on 192 query rows, also under a block mask of smaller query blocks
-    # (runtime/coarse_rows.py), but not where a mod reads a buffer, nor for a mask_mod without its block mask.
-    assert tile(64) == (192, 128, 12, 2)
+    # Any tile under smaller query blocks of a mask whose lists follow its mask_mod: it walks their union
+    # (runtime/coarse_rows.py). Hand-made lists need blocks the tile divides.
     causal, document = V.causal.expr, V.document(torch.zeros(64, dtype=torch.int32)).expr
+    assert derived(128, mask_expr=causal, mask_block=(64, 128)) == derived(128, mask_block=(32, 256)) == (128, 128, 8, 2)
+    with pytest.raises(ValueError, match="create_block_mask"):
+        tile(128, mask_expr=causal, mask_block=(64, 128))
+    # D = 64: three consumer warpgroups on 192 query rows, also under a block mask of smaller query blocks
+    # that follow its mask_mod, but not where a mod reads a buffer, nor for a mask_mod without its block mask.
+    assert tile(64) == (192, 128, 12, 2)
     for block in ((128, 128), (64, 128), (256, 256)):
-        assert tile(64, mask_expr=causal, mask_block=block) == (192, 128, 12, 2)
-    assert plan("fwd", "sm_90a", 64, "bf16", None, causal, mask_block=(128, 64)).family == "sm80"  # KV blocks below the tile
-    assert tile(64, mask_expr=document, mask_block=(128, 128)) == (128, 128, 8, 2)
-    assert tile(64, score_expr=V.alibi(4).expr, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)
-    assert tile(64, mask_expr=causal) == (128, 128, 8, 2)
+        assert derived(64, mask_expr=causal, mask_block=block) == (192, 128, 12, 2)
+    assert tile(64, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)  # hand-made lists
+    assert plan("fwd", "sm_90a", 64, "bf16", None, causal, mask_block=(64, 128)).family == "sm80"
+    assert tile(64, mask_expr=causal, mask_block=(384, 128)) == (192, 128, 12, 2)  # no union to walk
+    assert plan("fwd", "sm_90a", 64, "bf16", None, causal, mask_block=(128, 64), blocks_follow_mask=True).family \
+        == "sm80"  # KV blocks below the tile
+    assert derived(64, mask_expr=document, mask_block=(128, 128)) == (128, 128, 8, 2)
+    assert derived(64, score_expr=V.alibi(4).expr, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)
+    assert derived(64, mask_expr=causal) == (128, 128, 8, 2)
     long = V.causal
     for i in range(12):  # 25 operations: the 160 registers of a consumer would spill
         long = flexgen.and_masks(long, flexgen.mask_mod(lambda b, h, q, kv, i=i: (q - kv) % (i + 2) != 1))
-    assert tile(64, mask_expr=long.expr, mask_block=(128, 128)) == (128, 128, 8, 2)
+    assert derived(64, mask_expr=long.expr, mask_block=(128, 128)) == (128, 128, 8, 2)
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
     score, _ = cpu_variants()["relative_bias"]
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64

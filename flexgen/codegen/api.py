@@ -52,9 +52,12 @@ def as_expr(mod, kind: str) -> Node | None:
 
 
 def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 128, dtype="bf16",
-              arch: str | None = "sm_90a", mask_block: tuple[int, int] | None = None, **options) -> KernelSpec:
+              arch: str | None = "sm_90a", mask_block: tuple[int, int] | None = None, blocks_follow_mask: bool = True,
+              **options) -> KernelSpec:
     """The KernelSpec of one kernel, planned as flex_attention plans it (see the module docstring);
-    `mask_block` is the BLOCK_SIZE of the block mask the kernel will run with, which its tile must divide."""
+    `mask_block` is the BLOCK_SIZE of the block mask the kernel will run with, which its tile must divide, except
+    that an sm90 forward walks several query blocks of a mask whose lists follow its mask_mod
+    (`blocks_follow_mask`: a mask from create_block_mask, BlockMask.blocks_follow_mask_mod)."""
     target = archmod.jit_target() if arch is None else archmod.normalize(arch)
     fixed = {k: options.pop(k) for k in TILE_FIELDS if k in options}
     tiles = tuple(sorted((k, v) for k, v in fixed.items() if v is not None))
@@ -64,7 +67,8 @@ def make_spec(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 
     return plan(kind, target, head_dim, dtype_name(dtype), as_expr(score_mod, "score"), as_expr(mask_mod, "mask"),
                 family=family, tiles=tiles, dropout=bool(fields.get("dropout", False)),
                 grad_buffers=tuple(fields.get("grad_buffers", ())), deterministic=bool(fields.get("deterministic", False)),
-                debug=bool(fields.get("debug", False)), mask_block=mask_block, extra=extra)
+                debug=bool(fields.get("debug", False)), mask_block=mask_block, blocks_follow_mask=blocks_follow_mask,
+                extra=extra)
 
 
 def emit(kind: str = "fwd", score_mod=None, mask_mod=None, head_dim: int = 128, dtype="bf16", arch: str = "sm_90a",

@@ -29,6 +29,7 @@ class Call:
     score_loads_per_element: bool = False  # score_mod reads a different buffer element for every score
     tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
+    blocks_follow_mask: bool = False  # its lists were computed from the mask_mod (BlockMask.blocks_follow_mask_mod)
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
     mask_loads: bool = False  # mask_mod reads a buffer
@@ -177,7 +178,8 @@ class SM90(Family):
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
     # At D = 64 the softmax of a tile costs as much as its two products: three consumer warpgroups take
     # turns on the tensor cores. Under a block mask whose query blocks a 192-row tile straddles, the forward
-    # walks the union of the blocks' lists (runtime/coarse_rows.py); not where a mod reads buffers (their
+    # walks the union of the blocks' lists (runtime/coarse_rows.py), where those follow the mask_mod (a mask from
+    # create_block_mask; hand-made lists keep the 128-row tile); not where a mod reads buffers (their
     # addresses spill at 160 registers: 200-390 B) or is long (attention-gym's tiled NATTEN and STA masks,
     # 31-44 operations, spill 44-256 B; its masks up to 16 operations spill nothing), nor for a mask_mod
     # planned without its block mask.
@@ -209,18 +211,20 @@ class SM90(Family):
         if call.mask_block is None:
             return None
         q_block, kv_block = call.mask_block
-        # (a forward tile walks the union of the query blocks it touches: runtime/coarse_rows.py)
-        rows_fit = q_block % tile["block_m"] == 0 or call.kind == "fwd"
-        if not rows_fit or kv_block % tile["block_n"]:
+        if not (q_block % tile["block_m"] == 0 or self._merges_rows(call)) or kv_block % tile["block_n"]:
+            hint = "" if call.kind == "bwd" or kv_block % tile["block_n"] else \
+                " (it walks smaller query blocks of a mask from create_block_mask, whose lists follow its mask_mod)"
             return f"block mask BLOCK_SIZE {tuple(call.mask_block)} is not a multiple of its tile " \
-                   f"{(tile['block_m'], tile['block_n'])}"
+                   f"{(tile['block_m'], tile['block_n'])}{hint}"
         return None
 
     def tiles(self, call: Call) -> dict:
         if call.kind == "fwd":
             small_mods = call.mod_ops <= self.THREE_WG_MAX_OPS and not call.score_loads_per_element
             unmasked = call.mask_block is None and not call.masked
-            blocked = call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0 and not call.mod_loads
+            blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
+                       and not call.mod_loads
+                       and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
             three = call.head_dim == 64 and small_mods and (unmasked or blocked)
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
@@ -228,6 +232,12 @@ class SM90(Family):
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
         return cfg
+
+    @staticmethod
+    def _merges_rows(call: Call) -> bool:
+        """A forward tile may walk the union of the query blocks it touches (runtime/coarse_rows.py): exact only
+        where the lists follow mask_mod, which then decides every element a union makes partial."""
+        return call.kind == "fwd" and call.blocks_follow_mask
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0

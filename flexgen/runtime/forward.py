@@ -86,23 +86,24 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
 
 def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
     """The mask's grid of blocks checked against the inputs (call_checks.check_block_grid), then the mask the kernel
-    walks: over 192-row tiles the union of the query blocks each touches (runtime/coarse_rows.py), checked against
-    the kernel's tile."""
+    walks: over a tile taller than the mask's query blocks the union of those it touches (runtime/coarse_rows.py),
+    checked against the kernel's tile."""
     check_block_grid(bm, query, key)
-    if _walks_row_unions(spec):
-        bm = coarse_rows(bm, spec.block_m)  # (the mask itself where its query blocks fit the tile)
     check_block_tiles(bm, spec)
+    if _walks_row_unions(bm, spec):
+        bm = coarse_rows(bm, spec.block_m)  # (the mask itself where its query blocks fit the tile)
     return bm
 
 
-def _walks_row_unions(spec: KernelSpec) -> bool:
-    return spec.family == "sm90"
+def _walks_row_unions(bm: BlockMask, spec: KernelSpec) -> bool:
+    """The sm90 forward, under a mask whose lists follow its mask_mod (a union's partial blocks are then exact)."""
+    return spec.family == "sm90" and bm.blocks_follow_mask_mod
 
 
 def check_block_tiles(bm: BlockMask, spec: KernelSpec) -> None:
-    """The mask's blocks against the kernel's tile (the sm90 forward takes any query block size: a taller tile walks
-    the union of the blocks it touches)."""
-    rows_fit = bm.BLOCK_SIZE[0] % spec.block_m == 0 or _walks_row_unions(spec)
+    """The mask's blocks against the kernel's tile (the sm90 forward takes any query block size of a mask from
+    create_block_mask: a taller tile walks the union of the blocks it touches)."""
+    rows_fit = bm.BLOCK_SIZE[0] % spec.block_m == 0 or _walks_row_unions(bm, spec)
     if not rows_fit or bm.BLOCK_SIZE[1] % spec.block_n:
         raise ValueError(
             f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "
@@ -119,7 +120,8 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     (flexgen/dropout.py); lse stays that of the un-dropped softmax."""
     dropout_p, philox = check_dropout(dropout_p, philox)
     spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
-                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores)
+                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores,
+                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod)
     if bm is not None:
         bm = kernel_block_mask(bm, query, key, spec)
     b, h, lq, d = query.shape

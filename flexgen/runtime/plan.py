@@ -26,12 +26,16 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | None = None, mask_expr: Node | None = None,
          *, family: str | None = None, tiles: tuple[tuple[str, int], ...] = (), dropout: bool = False,
          grad_buffers: tuple[str, ...] = (), deterministic: bool = False, debug: bool = False,
-         mask_block: tuple[int, int] | None = None, extra: tuple[tuple[str, object], ...] = ()) -> KernelSpec:
+         mask_block: tuple[int, int] | None = None, blocks_follow_mask: bool = False,
+         extra: tuple[tuple[str, object], ...] = ()) -> KernelSpec:
     """The spec of one kernel. `arch` is a normalized target (flexgen.arch); `family` the family asked for
     (None: the first that takes the call); `tiles` the tile fields the caller fixed, as sorted pairs;
-    `mask_block` the block mask's BLOCK_SIZE, which the tile must divide; `extra` sorted template options."""
+    `mask_block` the block mask's BLOCK_SIZE, which the tile must divide unless `blocks_follow_mask` (its lists
+    were computed from mask_expr, BlockMask.blocks_follow_mask_mod) lets a taller tile walk several query blocks;
+    `extra` sorted template options."""
+    blocks_follow_mask = bool(blocks_follow_mask) and mask_block is not None
     args = (kind, arch, head_dim, dtype, score_expr, mask_expr, family, tuple(tiles), dropout, tuple(grad_buffers),
-            deterministic, debug, mask_block, extra)
+            deterministic, debug, mask_block, blocks_follow_mask, extra)
     try:
         hash(args)
     except TypeError:  # a value that cannot be a key (refused below, or used uncached)
@@ -40,7 +44,7 @@ def plan(kind: str, arch: str, head_dim: int, dtype: str, score_expr: Node | Non
 
 
 def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dropout, grad_buffers, deterministic,
-          debug, mask_block, extra) -> KernelSpec:
+          debug, mask_block, blocks_follow_mask, extra) -> KernelSpec:
     if kind not in KINDS:
         raise ValueError(f"kernel kind {kind!r} is not one of {KINDS}")
     unknown = sorted({name for name, _ in tiles} - set(TILE_FIELDS))
@@ -51,6 +55,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
+                blocks_follow_mask=blocks_follow_mask,
                 masked=mask_expr is not None,
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
@@ -70,13 +75,16 @@ def _operations(expr: Node) -> int:
 
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False, grad_buffers: tuple[str, ...] = (),
-              mask_block: tuple[int, int] | None = None, max_scores: bool = False) -> KernelSpec:
+              mask_block: tuple[int, int] | None = None, max_scores: bool = False,
+              blocks_follow_mask: bool = False) -> KernelSpec:
     """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
     dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients,
-    the block mask's BLOCK_SIZE and whether a forward writes max_scores."""
+    the block mask's BLOCK_SIZE and whether its lists follow its mask_mod, and whether a forward writes
+    max_scores."""
     options = tuple(sorted((kernel_options or {}).items()))
     args = (kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
-            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores)
+            mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores,
+            bool(blocks_follow_mask))
     try:
         hash(options)
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
@@ -85,7 +93,8 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
-               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block, max_scores: bool = False) -> KernelSpec:
+               kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block, max_scores: bool = False,
+               blocks_follow_mask: bool = False) -> KernelSpec:
     from ..arch import current_arch
 
     options = call_options(dict(kernel_options))
@@ -101,7 +110,7 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
     return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
                 family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
                 grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
-                mask_block=mask_block, extra=flags)
+                mask_block=mask_block, blocks_follow_mask=blocks_follow_mask, extra=flags)
 
 
 _make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)

@@ -1,0 +1,105 @@
+"""Block masks whose lists were made by hand (a block-sparse layout, BlockMask.from_kv_blocks, PyTorch's own
+BlockMask), on the GPU: the kernels visit exactly the listed blocks, apply mask_mod in the partial ones only and
+show the full ones whole, whatever mask_mod would say elsewhere. The truth is an element mask that says the same
+(a lookup of each element's block state), through the float64 reference, with the bars of test_gpu_forward.py and
+test_gpu_backward.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flexgen
+from flexgen.blockmask import dense_to_lists
+from test_gpu_backward import assert_grads_match, flexgen_grads, lowp_grads, reference_grads
+from test_gpu_forward import assert_matches, fresh_seed, run_flexgen
+
+gpu = pytest.mark.gpu
+DEV = "cuda"
+B, H, L = 2, 3, 1000
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _random_states(q_block: int, kv_block: int) -> torch.Tensor:
+    """(nQ, nKV) int32: 0 absent, 1 partial, 2 full; every row sees its first KV block whole (no empty rows)."""
+    n_q, n_kv = -(-L // q_block), -(-L // kv_block)
+    states = torch.randint(0, 3, (n_q, n_kv), device=DEV, dtype=torch.int32)
+    states[:, 0] = 2
+    return states
+
+
+def _hand_made(states: torch.Tensor, block: tuple[int, int], mask_mod, source: str):
+    partial, full = dense_to_lists((states == 1)[None, None]), dense_to_lists((states == 2)[None, None])
+    if source == "torch":
+        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+        return TorchBlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, L))
+    return flexgen.BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, L))
+
+
+def _same_as_lists(states: torch.Tensor, block: tuple[int, int], mask_mod):
+    """The element mask a kernel walking the lists shows: full blocks whole, partial ones through mask_mod."""
+    bq, bkv = block
+
+    def element(b, h, q, kv):
+        state = states[q // bq, kv // bkv]
+        decided = mask_mod(b, h, q, kv) if mask_mod is not None else state > 0
+        return (state == 2) | ((state == 1) & decided)
+
+    return flexgen.mask_mod(element)
+
+
+CASES = [  # (mask_mod, BLOCK_SIZE, where the lists come from)
+    (None, (128, 128), "flexgen"),  # a block-sparse layout: partial blocks are shown whole
+    (_causal, (128, 128), "flexgen"),
+    (_causal, (128, 128), "torch"),
+    (_causal, (64, 128), "flexgen"),  # query blocks below the forward's tile: no union may be walked
+    (None, (256, 128), "torch"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask_mod,block,source", CASES)
+def test_hand_made_lists_forward(mask_mod, block, source, D):
+    seed = fresh_seed()
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    states = _random_states(*block)
+    bm = _hand_made(states, block, mask_mod, source)
+    out, lse = run_flexgen(q, k, v, None, bm)
+    assert_matches(out, lse, q, k, v, None, _same_as_lists(states, block, mask_mod), seed=seed,
+                   what=f"hand-made lists {source} {block} mask_mod={getattr(mask_mod, '__name__', None)} D={D}")
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask_mod,block,source", CASES[:3])
+def test_hand_made_lists_backward(mask_mod, block, source, D):
+    seed = fresh_seed()
+    q, k, v, do = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    states = _random_states(*block)
+    bm = _hand_made(states, block, mask_mod, source)
+    same = _same_as_lists(states, block, mask_mod)
+    scale = 1.0 / math.sqrt(D)
+    got = flexgen_grads(q, k, v, do, None, bm, False, ())
+    ref = reference_grads(q, k, v, do, None, same, scale, False, ())
+    base = lowp_grads(q, k, v, do, None, same, scale, ())
+    assert_grads_match(got, ref, base, ["dq", "dk", "dv"], f"hand-made lists {source} {block} D={D} (seed {seed})")
+
+
+@gpu
+def test_lists_from_the_mask_mod_stay_exact_when_a_tile_merges_query_blocks():
+    """The same random block states as a mask_mod's own lists (create_block_mask): a forward tile of 128 rows
+    (a mask that reads a buffer keeps D = 64 on two warpgroups) walks the union of two 64-row blocks."""
+    seed = fresh_seed()
+    q, k, v = (torch.randn(B, H, L, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    same = _same_as_lists(_random_states(64, 128), (64, 128), _causal)
+    bm = flexgen.create_block_mask(same, None, None, L, L, device=DEV, BLOCK_SIZE=(64, 128))
+    assert bm.blocks_follow_mask_mod
+    out, lse = run_flexgen(q, k, v, None, bm)
+    assert_matches(out, lse, q, k, v, None, same, seed=seed, what="derived lists (64, 128) D=64")
