@@ -45,7 +45,6 @@ def test_sm80_serves_every_target_and_kind(arch):
     (Call("fwd", "sm_100a", 128, "bf16"), "needs arch sm_90a"),
     (Call("fwd", "sm_90a", 96, "bf16"), "head dim 96"),
     (Call("fwd", "sm_90a", 128, "fp32"), "dtype fp32"),
-    (Call("fwd", "sm_90a", 128, "bf16", dropout=True), "no dropout"),
     (Call("bwd", "sm_90a", 128, "bf16", buffer_grads=True), "buffer gradients"),
     (Call("fwd", "sm_90a", 128, "bf16", tiles=(("num_warps", 8),)), "tiles are fixed"),
     (Call("fwd", "sm_90a", 128, "bf16", mask_block=(64, 128)), r"not a multiple of its tile \(128, 128\)"),
