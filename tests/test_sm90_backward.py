@@ -1,5 +1,5 @@
 """The Hopper backward (templates/sm90/bwd.cu.j2): flex_attention's default backward on sm_90 for head
-dims 64 and 128 without buffer gradients (runtime/families.py), or
+dims 64 and 128 except deterministic buffer gradients and buffer gradients with dropout (runtime/families.py), or
 kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a, runs all five products on wgmma, its BwdParams has the
@@ -75,19 +75,24 @@ def test_fp16_and_deterministic_compile():
 
 
 def test_backward_family_default_and_refusals():
-    def pick(arch="sm_90a", D=128, dropout=False, grads=False, tiles=False, block=(128, 128), requested=None):
-        call = Call("bwd", arch, D, "bf16", dropout=dropout, buffer_grads=grads,
+    def pick(arch="sm_90a", D=128, dropout=False, grads=False, tiles=False, block=(128, 128), requested=None,
+             deterministic=False):
+        call = Call("bwd", arch, D, "bf16", dropout=dropout, buffer_grads=grads, deterministic=deterministic,
                     tiles=(("block_m", 64),) if tiles else (), mask_block=block)
         return choose(call, requested).name
 
     assert pick() == "sm90" and pick(D=64) == "sm90" and pick(block=None) == "sm90"
     assert pick(block=(256, 512)) == "sm90"
     assert pick(arch="sm_80") == "sm80" and pick(D=96) == "sm80" and pick(D=256) == "sm80"
-    assert pick(dropout=True) == "sm90" and pick(grads=True) == "sm80" and pick(tiles=True) == "sm80"
+    assert pick(dropout=True) == "sm90" and pick(grads=True) == "sm90" and pick(tiles=True) == "sm80"
+    assert pick(grads=True, deterministic=True) == "sm80" and pick(grads=True, dropout=True) == "sm80"
+    assert pick(deterministic=True) == "sm90"
     assert pick(block=(64, 64)) == "sm80" and pick(block=(128, 64)) == "sm80"  # blocks smaller than the tile
     assert pick(requested="sm80") == "sm80"
-    with pytest.raises(ValueError, match="buffer gradients"):
-        pick(requested="sm90", grads=True)
+    with pytest.raises(ValueError, match="buffer gradients only in non-deterministic mode"):
+        pick(requested="sm90", grads=True, deterministic=True)
+    with pytest.raises(ValueError, match="buffer gradients with dropout"):
+        pick(requested="sm90", grads=True, dropout=True)
     with pytest.raises(ValueError, match="head dim 256"):
         pick(requested="sm90", D=256)
     with pytest.raises(ValueError, match="allowed"):
@@ -303,3 +308,21 @@ def test_dropout_kernels_compile(D):
             assert_tma_fed_and_unserialised(kernel)
             limit = 0 if kind == "fwd" else 8 if D == 64 else 200
             assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{kind} {name} D={D}: {kernel.resources}"
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+@pytest.mark.parametrize("D", [64, 128])
+def test_buffer_gradient_kernels_compile(D):
+    """Learnable score_mod buffers on the sm90 backward (non-deterministic): score_mod_bwd sums each gradient site
+    per thread and every step flushes them, warp-merged (common/grad_flush.j2), over 64-row steps. Spill-free."""
+    slopes = V.alibi_slopes(4).requires_grad_()
+    table = torch.zeros(4, 2 * 512 - 1, requires_grad=True)
+    for score, mask, names in ((V.alibi(slopes), V.causal, ("alibi_slopes",)), (V.relative_bias(table), None, None)):
+        names = names or tuple(score.buffer_names)
+        spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", grad_buffers=names)
+        assert (spec.family, spec.block_m) == ("sm90", 64)
+        kernel = jit.get_kernel(spec)
+        assert "flexgen_grad_add" in kernel.source and "atomicAdd" in kernel.source
+        assert_tma_fed_and_unserialised(kernel)
+        assert kernel.resources.get("spill_stores_bytes", 0) == 0, f"{names} D={D}: {kernel.resources}"
