@@ -127,7 +127,8 @@ def test_planning_refuses_what_the_sm90_backward_does_not_cover():
 
 
 
-GPU_VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", "softcap_causal", "per_head_mask"]
+GPU_VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", "softcap_causal", "per_head_mask",
+                "alibi_causal_learnable", "relative_bias_learnable"]
 
 
 @gpu
@@ -198,7 +199,8 @@ def test_sm90_backward_deterministic(D):
 
 @gpu
 @hopper
-@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document"])
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document", "alibi_causal_learnable",
+                                  "relative_bias_learnable"])
 def test_sm80_backward_on_request(name):
     """kernel_options family='sm80' keeps the mma.sync backward reachable (and tested) on Hopper."""
     from test_gpu_backward import Shape, check_variant
