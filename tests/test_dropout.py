@@ -195,13 +195,19 @@ def test_calls_reject_bad_dropout_before_any_kernel(bad):
 
 
 def test_dropout_tiles():
-    """Dropout kernels get their own tile where the default sits at the register limit."""
+    """Dropout kernels get their own tile where the default sits at the register limit: sm80's lean rows, and on sm90
+    the two-warpgroup tiles instead of the 192-row forward and the 128-row D = 64 backward."""
     from flexgen.codegen.api import make_spec
 
-    plain = make_spec("fwd", head_dim=128, arch="sm_90a", family="sm80")  # dropout kernels are sm80 ones
-    dropped = make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True)
+    sm80 = {"family": "sm80"}
+    plain = make_spec("fwd", head_dim=128, arch="sm_90a", **sm80)
+    dropped = make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, **sm80)
     assert (dropped.block_m, dropped.block_n) == (plain.block_m, plain.block_n)  # block masks fit both alike
     assert dropped.num_warps == 8 and dropped.dropout and not plain.dropout
-    at_64 = make_spec("fwd", head_dim=64, arch="sm_90a", family="sm80")
-    assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True) == at_64.with_(dropout=True)  # already fits
+    at_64 = make_spec("fwd", head_dim=64, arch="sm_90a", **sm80)
+    assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True, **sm80) == at_64.with_(dropout=True)  # fits
     assert make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, num_warps=4).num_warps == 4  # overrides win
+    for kind, tile in (("fwd", (128, 128, 8)), ("bwd", (64, 128, 8))):
+        spec = make_spec(kind, head_dim=64, arch="sm_90a", dropout=True)
+        assert (spec.family, spec.block_m, spec.block_n, spec.num_warps) == ("sm90", *tile)
+        assert make_spec(kind, head_dim=64, arch="sm_90a").block_m != spec.block_m

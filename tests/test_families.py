@@ -45,8 +45,8 @@ def test_sm80_serves_every_target_and_kind(arch):
     (Call("fwd", "sm_100a", 128, "bf16"), "needs arch sm_90a"),
     (Call("fwd", "sm_90a", 96, "bf16"), "head dim 96"),
     (Call("fwd", "sm_90a", 128, "fp32"), "dtype fp32"),
-    (Call("fwd", "sm_90a", 128, "bf16", dropout=True), "no dropout"),
-    (Call("bwd", "sm_90a", 128, "bf16", buffer_grads=True), "buffer gradients"),
+    (Call("bwd", "sm_90a", 128, "bf16", buffer_grads=True, deterministic=True), "non-deterministic mode"),
+    (Call("bwd", "sm_90a", 64, "bf16", buffer_grads=True, dropout=True), "buffer gradients with dropout"),
     (Call("fwd", "sm_90a", 128, "bf16", tiles=(("num_warps", 8),)), "tiles are fixed"),
     (Call("fwd", "sm_90a", 128, "bf16", mask_block=(64, 64)), r"not a multiple of its tile \(128, 128\)"),
     (Call("bwd", "sm_90a", 128, "bf16", mask_block=(32, 128)), r"not a multiple of its tile \(64, 128\)"),
@@ -127,8 +127,10 @@ def test_backward_plans_with_what_the_call_has(monkeypatch):
     query = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
     score = V.alibi(torch.ones(2))
     spec = planning.make_spec("bwd", query, score, V.causal, None, grad_buffers=("alibi_slopes",))
-    assert spec.family == "sm80" and spec.grad_buffers == ("alibi_slopes",)
+    assert spec.family == "sm90" and spec.grad_buffers == ("alibi_slopes",)
     assert spec == emit_spec("bwd", score, V.causal, head_dim=128, arch="sm_90a", grad_buffers=("alibi_slopes",))
+    fixed = planning.make_spec("bwd", query, score, V.causal, {"deterministic": True}, grad_buffers=("alibi_slopes",))
+    assert fixed.family == "sm80" and fixed.deterministic  # (the sm90 backward's buffer gradients are not ordered)
     small_blocks = planning.make_spec("bwd", query, None, V.causal, None, mask_block=(32, 64))
     assert small_blocks.family == "sm80" and (small_blocks.block_m, small_blocks.block_n) == (32, 64)
     assert planning.make_spec("bwd", query, None, V.causal, None, mask_block=(128, 128)).family == "sm90"

@@ -111,7 +111,8 @@ def test_fwd_double_buffered_kv_has_no_spills(name):
     assert not has_spills(resources), f"{name} with two K/V stages spills: {resources}"
 
 
-# Dropout kernels (spec.dropout): their own tile (configs.LEAN_TABLE), spill-free at every head dim.
+# Dropout kernels (spec.dropout): their own tile (sm80: configs.LEAN_TABLE; sm90: two warpgroups), spill-free at
+# every head dim.
 DROPOUT_VARIANTS = {"none": (None, None), "causal": (None, V.causal), "alibi_causal": (V.alibi(4), V.causal)}
 
 
@@ -125,8 +126,11 @@ def test_fwd_dropout_compiles_without_spills(name, head_dim, arch):
     assert "dropout_keep_bits" in kernel.source
     buffers = score.buffers if score else {}
     mod_args = pack_mod_args(lower_mods(spec), buffers, {}, check_device=False)
-    assert ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args), True)) == _param_bytes(kernel.ptx, spec.entry_name)
-    assert ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args), True)) > ctypes.sizeof(FWD_PARAMS.ctypes_type(type(mod_args)))
+    maps = families.of(spec).tensor_maps  # (on sm_90a the sm90 forward, which takes TMA descriptors)
+    with_dropout = FWD_PARAMS.ctypes_type(type(mod_args), True, tensor_maps=maps)
+    assert ctypes.sizeof(with_dropout) == _param_bytes(kernel.ptx, spec.entry_name)
+    plain = FWD_PARAMS.ctypes_type(type(mod_args), tensor_maps=maps)
+    assert "philox_seed" in dict(with_dropout._fields_) and "philox_seed" not in dict(plain._fields_)
     assert not has_spills(kernel.resources), f"dropout {name} D={head_dim} on {arch} spills: {kernel.resources}"
 
 

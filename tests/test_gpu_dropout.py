@@ -69,19 +69,28 @@ def attention_math(q, k, v, score, mask, scale, keep=None, p=0.0):
     return torch.matmul(prob, v), lse
 
 
-def flexgen_forward(q, k, v, score, mask, p, philox, scale=None):
+# Each kernel test runs on the default family (on Hopper the sm90 one for head dims 64 and 128, sm80 otherwise and for
+# buffer gradients) and on sm80 by request.
+FAMILIES = [None, "sm80"]
+
+
+def _options(family):
+    return None if family is None else {"family": family}
+
+
+def flexgen_forward(q, k, v, score, mask, p, philox, scale=None, family=None):
     bm, elem = _block_mask(mask, q.shape[2], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = forward_call(q, k, v, score, bm, elem, scale, None, dropout_p=p, philox=philox)
+    out, lse = forward_call(q, k, v, score, bm, elem, scale, _options(family), dropout_p=p, philox=philox)
     torch.cuda.synchronize()
     return out, lse
 
 
-def flexgen_backward(q, k, v, out, lse, do, score, mask, p, philox, grad_buffers=()):
+def flexgen_backward(q, k, v, out, lse, do, score, mask, p, philox, grad_buffers=(), family=None):
     from flexgen.runtime.backward import backward_call
 
     bm, elem = _block_mask(mask, q.shape[2], k.shape[2])
-    dq, dk, dv, bufs = backward_call(q, k, v, out, lse, do, score, bm, elem, 1.0 / math.sqrt(q.shape[-1]), None,
+    dq, dk, dv, bufs = backward_call(q, k, v, out, lse, do, score, bm, elem, 1.0 / math.sqrt(q.shape[-1]), _options(family),
                                      (True, True, True), grad_buffers=grad_buffers, dropout_p=p, philox=philox)
     torch.cuda.synchronize()
     return [dq, dk, dv] + [bufs[n] for n in grad_buffers]
@@ -102,9 +111,10 @@ def _error_bar(got, ref, base, what, eps, algo=None):
 
 
 @gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("q_len", [64, 77, 1, 200])
 @pytest.mark.parametrize("p", [0.5, 0.1, 0.9])
-def test_forward_keep_pattern_is_the_reference_mask(q_len, p):
+def test_forward_keep_pattern_is_the_reference_mask(q_len, p, family):
     """Q = K = 0 makes P = 1 / KV_LEN; V = identity (KV_LEN = D = 64) makes O[b, h, i, j] the
     dropped-and-rescaled P[i, j]: O * KV_LEN * (1 - p) is the keep mask."""
     B, H, L = 2, 3, 64
@@ -112,9 +122,9 @@ def test_forward_keep_pattern_is_the_reference_mask(q_len, p):
     k = torch.zeros(B, H, L, L, device=DEV, dtype=torch.bfloat16)
     v = torch.eye(L, device=DEV, dtype=torch.bfloat16).expand(B, H, L, L).contiguous()
     seed, offset = philox_pair()
-    out, lse = flexgen_forward(q, k, v, None, None, p, (seed, offset))
+    out, lse = flexgen_forward(q, k, v, None, None, p, (seed, offset), family=family)
     keep = dropout_keep_mask(seed, offset, B, H, q_len, L, p, device=DEV)
-    tag = f"seed={seed} offset={offset} p={p} q_len={q_len}"
+    tag = f"seed={seed} offset={offset} p={p} q_len={q_len} family={family}"
     assert torch.equal(out != 0, keep), f"{int((( out != 0) != keep).sum())} elements differ from the mask: {tag}"
     assert torch.equal(torch.round(out.double() * L * (1 - p)), keep.double()), tag
     if p == 0.5:  # 1 / (1 - p) = 2 and 1 / 64 are exact in bf16
@@ -123,8 +133,9 @@ def test_forward_keep_pattern_is_the_reference_mask(q_len, p):
 
 
 @gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("q_len", [64, 37])
-def test_backward_keep_pattern_is_the_reference_mask(q_len):
+def test_backward_keep_pattern_is_the_reference_mask(q_len, family):
     """Same inputs, dO = identity: dV[kv, j] = sum_q P_dropped[q, kv] dO[q, j] = P_dropped[j, kv]
     for j < q_len: the backward regenerates the forward's mask, transposed tiles and all."""
     B, H, L, p = 2, 3, 64, 0.5
@@ -133,12 +144,12 @@ def test_backward_keep_pattern_is_the_reference_mask(q_len):
     v = torch.eye(L, device=DEV, dtype=torch.bfloat16).expand(B, H, L, L).contiguous()
     do = torch.eye(q_len, L, device=DEV, dtype=torch.bfloat16).expand(B, H, q_len, L).contiguous()
     seed, offset = philox_pair()
-    out, lse = flexgen_forward(q, k, v, None, None, p, (seed, offset))
-    _, _, dv = flexgen_backward(q, k, v, out, lse, do, None, None, p, (seed, offset))
+    out, lse = flexgen_forward(q, k, v, None, None, p, (seed, offset), family=family)
+    _, _, dv = flexgen_backward(q, k, v, out, lse, do, None, None, p, (seed, offset), family=family)
     keep = dropout_keep_mask(seed, offset, B, H, q_len, L, p, device=DEV)
     want = torch.zeros(B, H, L, L, dtype=torch.float64, device=DEV)
     want[:, :, :, :q_len] = keep.transpose(-1, -2).double()
-    assert torch.equal(torch.round(dv.double() * L * (1 - p)), want), f"seed={seed} offset={offset}"
+    assert torch.equal(torch.round(dv.double() * L * (1 - p)), want), f"seed={seed} offset={offset} family={family}"
 
 
 # ---------------------------------------------------------------- forward and backward against float64
@@ -164,22 +175,23 @@ def _inputs(B, H, Hkv, Lq, Lkv, D, dtype):
             torch.randn(B, Hkv, Lkv, D, device=DEV, dtype=dtype))
 
 
-def _forward_case(case, learnable=False):
+def _forward_case(case, learnable=False, family=None):
     """Fresh inputs for a case, and flexgen's forward with dropout on them."""
     name, B, H, Hkv, Lq, Lkv, D, dtype, p = case
-    tag = f"{_case_id(case)} (seed {fresh_seed()})"
+    tag = f"{_case_id(case)} family={family} (seed {fresh_seed()})"
     q, k, v = _inputs(B, H, Hkv, Lq, Lkv, D, dtype)
     score, mask = _mods(name, H, learnable)
     philox = philox_pair()
-    out, lse = flexgen_forward(q, k, v, score, mask, p, philox)
+    out, lse = flexgen_forward(q, k, v, score, mask, p, philox, family=family)
     keep = dropout_keep_mask(*philox, B, H, Lq, Lkv, p, device=DEV)
     return tag, (q, k, v), score, mask, philox, (out, lse), keep
 
 
 @gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_forward_matches_float64(case):
-    tag, (q, k, v), score, mask, _, (out, lse), keep = _forward_case(case)
+def test_forward_matches_float64(case, family):
+    tag, (q, k, v), score, mask, _, (out, lse), keep = _forward_case(case, family=family)
     p, scale = case[-1], 1.0 / math.sqrt(q.shape[-1])
     ref, ref_lse = attention_math(q.double(), k.double(), v.double(), score, mask, scale, keep, p)
     base, base_lse = attention_math(q, k, v, score, mask, scale, keep, p)
@@ -188,13 +200,17 @@ def test_forward_matches_float64(case):
 
 
 @gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_backward_matches_float64(case):
-    tag, (q, k, v), score, mask, philox, (out, lse), keep = _forward_case(case, learnable=True)
+def test_backward_matches_float64(case, family):
+    """On sm80 the ALiBi slopes are learnable (buffer gradients, which only that backward computes); on the default
+    family they are fixed, so that the sm90 backward runs them."""
+    learnable = family == "sm80"
+    tag, (q, k, v), score, mask, philox, (out, lse), keep = _forward_case(case, learnable=learnable, family=family)
     p, scale, dtype = case[-1], 1.0 / math.sqrt(q.shape[-1]), q.dtype
     do = torch.randn_like(q)
-    learn = ("alibi_slopes",) if score is not None else ()
-    got = flexgen_backward(q, k, v, out, lse, do, score, mask, p, philox, grad_buffers=learn)
+    learn = ("alibi_slopes",) if score is not None and learnable else ()
+    got = flexgen_backward(q, k, v, out, lse, do, score, mask, p, philox, grad_buffers=learn, family=family)
 
     def grads(dtype_, out_used=None):
         """Autograd of attention_math in dtype_. out_used: instead, the buffer gradients of the

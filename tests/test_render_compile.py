@@ -235,7 +235,7 @@ def test_tile_table_and_overrides():
     assert tile("fwd", "sm_86", 256, "fp16")[0] == 64
     assert tile("bwd", "sm_90a", 128, "bf16", family="sm80") == (64, 128, 8, 2)
     assert tile("bwd", "sm_80", 128, "bf16")[:2] == (32, 128)  # 64 query rows do not fit sm_80's shared memory
-    assert tile("bwd", "sm_90a", 128, "bf16", grad_buffers=("bias",))[1] == 64
+    assert tile("bwd", "sm_90a", 128, "bf16", family="sm80", grad_buffers=("bias",))[1] == 64
     assert tile("fwd", "sm_80", 128, "bf16", tiles=(("block_n", 32),))[1] == 32
     with pytest.raises(TypeError, match="unknown tile field"):
         plan("fwd", "sm_80", 128, "bf16", tiles=(("tile", 3),))

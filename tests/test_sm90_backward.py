@@ -1,5 +1,5 @@
 """The Hopper backward (templates/sm90/bwd.cu.j2): flex_attention's default backward on sm_90 for head
-dims 64 and 128 without dropout or buffer gradients (runtime/families.py), or
+dims 64 and 128 except deterministic buffer gradients and buffer gradients with dropout (runtime/families.py), or
 kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a, runs all five products on wgmma, its BwdParams has the
@@ -75,19 +75,24 @@ def test_fp16_and_deterministic_compile():
 
 
 def test_backward_family_default_and_refusals():
-    def pick(arch="sm_90a", D=128, dropout=False, grads=False, tiles=False, block=(128, 128), requested=None):
-        call = Call("bwd", arch, D, "bf16", dropout=dropout, buffer_grads=grads,
+    def pick(arch="sm_90a", D=128, dropout=False, grads=False, tiles=False, block=(128, 128), requested=None,
+             deterministic=False):
+        call = Call("bwd", arch, D, "bf16", dropout=dropout, buffer_grads=grads, deterministic=deterministic,
                     tiles=(("block_m", 64),) if tiles else (), mask_block=block)
         return choose(call, requested).name
 
     assert pick() == "sm90" and pick(D=64) == "sm90" and pick(block=None) == "sm90"
     assert pick(block=(256, 512)) == "sm90"
     assert pick(arch="sm_80") == "sm80" and pick(D=96) == "sm80" and pick(D=256) == "sm80"
-    assert pick(dropout=True) == "sm80" and pick(grads=True) == "sm80" and pick(tiles=True) == "sm80"
+    assert pick(dropout=True) == "sm90" and pick(grads=True) == "sm90" and pick(tiles=True) == "sm80"
+    assert pick(grads=True, deterministic=True) == "sm80" and pick(grads=True, dropout=True) == "sm80"
+    assert pick(deterministic=True) == "sm90"
     assert pick(block=(64, 64)) == "sm80" and pick(block=(128, 64)) == "sm80"  # blocks smaller than the tile
     assert pick(requested="sm80") == "sm80"
-    with pytest.raises(ValueError, match="buffer gradients"):
-        pick(requested="sm90", grads=True)
+    with pytest.raises(ValueError, match="buffer gradients only in non-deterministic mode"):
+        pick(requested="sm90", grads=True, deterministic=True)
+    with pytest.raises(ValueError, match="buffer gradients with dropout"):
+        pick(requested="sm90", grads=True, dropout=True)
     with pytest.raises(ValueError, match="head dim 256"):
         pick(requested="sm90", D=256)
     with pytest.raises(ValueError, match="allowed"):
@@ -114,8 +119,6 @@ def test_backward_query_rows_per_step():
 def test_planning_refuses_what_the_sm90_backward_does_not_cover():
     with pytest.raises(ValueError, match="tile"):
         make_spec("bwd", None, None, head_dim=128, arch="sm_90a", block_n=64, **SM90)
-    with pytest.raises(ValueError, match="dropout"):
-        make_spec("bwd", None, None, head_dim=128, arch="sm_90a", dropout=True, **SM90)
     with pytest.raises(ValueError, match="only"):
         make_spec("bwd_preprocess", None, None, head_dim=128, arch="sm_90a", **SM90)
 
@@ -124,7 +127,8 @@ def test_planning_refuses_what_the_sm90_backward_does_not_cover():
 
 
 
-GPU_VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", "softcap_causal", "per_head_mask"]
+GPU_VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", "softcap_causal", "per_head_mask",
+                "alibi_causal_learnable", "relative_bias_learnable"]
 
 
 @gpu
@@ -208,7 +212,8 @@ def test_sm90_backward_deterministic(D):
 
 @gpu
 @hopper
-@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document"])
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document", "alibi_causal_learnable",
+                                  "relative_bias_learnable"])
 def test_sm80_backward_on_request(name):
     """kernel_options family='sm80' keeps the mma.sync backward reachable (and tested) on Hopper."""
     from test_gpu_backward import Shape, check_variant
@@ -299,3 +304,40 @@ def test_sm90_backward_persistent_option():
 
     check_variant("causal", Shape(2, 4, 1500, 1500), 64, torch.bfloat16, kernel_options={**SM90, "persistent": False})
 
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+@pytest.mark.parametrize("D", [64, 128])
+def test_dropout_kernels_compile(D):
+    """Dropout runs on the sm90 family: the forward scales P by Z / (1 - p) before P V, the backward draws the same Z
+    for dV and dP^T (common/philox.cuh), both on the two-warpgroup tiles (Philox's state spills 500+ B on the
+    192-row forward and the 128-row backward). NVRTC 13.5: the forward spill-free, the backward 8 B at D = 64 and
+    52-196 B at D = 128; more is a regression."""
+    for name, score, mask in (("none", None, None), ("alibi_causal", V.alibi(4), V.causal)):
+        for kind in ("fwd", "bwd"):
+            spec = make_spec(kind, score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=True, **SM90)
+            assert (spec.family, spec.block_m, spec.num_warps) == ("sm90", 64 if kind == "bwd" else 128, 8)
+            kernel = jit.get_kernel(spec)
+            assert "dropout_keep_bits" in kernel.source
+            assert_tma_fed_and_unserialised(kernel)
+            limit = 0 if kind == "fwd" else 8 if D == 64 else 200
+            assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{kind} {name} D={D}: {kernel.resources}"
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+@pytest.mark.parametrize("D", [64, 128])
+def test_buffer_gradient_kernels_compile(D):
+    """Learnable score_mod buffers on the sm90 backward (non-deterministic): score_mod_bwd sums each gradient site
+    per thread and every step flushes them, warp-merged (common/grad_flush.j2), over 64-row steps. Spill-free."""
+    slopes = V.alibi_slopes(4).requires_grad_()
+    table = torch.zeros(4, 2 * 512 - 1, requires_grad=True)
+    for score, mask, names in ((V.alibi(slopes), V.causal, ("alibi_slopes",)), (V.relative_bias(table), None, None)):
+        names = names or tuple(score.buffer_names)
+        spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", grad_buffers=names)
+        assert (spec.family, spec.block_m) == ("sm90", 64)
+        kernel = jit.get_kernel(spec)
+        assert "flexgen_grad_add" in kernel.source and "atomicAdd" in kernel.source
+        assert_tma_fed_and_unserialised(kernel)
+        assert kernel.resources.get("spill_stores_bytes", 0) == 0, f"{names} D={D}: {kernel.resources}"

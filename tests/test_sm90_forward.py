@@ -1,5 +1,5 @@
 """The Hopper forward (templates/sm90/fwd.cu.j2): flex_attention's default forward on sm_90 for head
-dims 64 and 128 without dropout (runtime/families.py), or kernel_options={"family": "sm90"}.
+dims 64 and 128 (runtime/families.py), or kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a without spills, uses wgmma for both products, its
 FwdParams has the host mirror's size, and the launcher reads its exported shared-memory size from
@@ -105,8 +105,6 @@ def test_family_option_is_checked():
         make_spec("bwd_postprocess", None, None, head_dim=64, arch="sm_90a", **SM90)
     with pytest.raises(ValueError, match="sm_90a"):
         make_spec("fwd", None, None, head_dim=64, arch="sm_80", **SM90)
-    with pytest.raises(ValueError, match="dropout"):
-        make_spec("fwd", None, None, head_dim=64, arch="sm_90a", dropout=True, **SM90)
     with pytest.raises(ValueError, match="allowed"):
         make_spec("fwd", None, None, head_dim=64, arch="sm_90a", family="sm70")
 
@@ -269,7 +267,7 @@ def test_forward_family_default():
         return choose(Call(kind, arch, D, "bf16", dropout=dropout, tiles=tiles), requested).name
 
     assert pick() == "sm90" and pick(D=64) == "sm90"
-    assert pick(D=96) == "sm80" and pick(D=256) == "sm80" and pick(dropout=True) == "sm80"
+    assert pick(D=96) == "sm80" and pick(D=256) == "sm80" and pick(dropout=True) == "sm90"
     assert pick(tiles=(("block_n", 128),)) == "sm80"  # forward tile options are sm80 tile choices
     assert pick(arch="sm_80") == "sm80" and pick(arch="sm_89", D=64) == "sm80"
     assert pick(arch="sm_100a") == "sm80" and pick(arch="sm_120") == "sm80"  # wgmma is sm_90a's alone

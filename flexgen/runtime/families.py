@@ -26,6 +26,7 @@ class Call:
     dtype: str
     dropout: bool = False
     buffer_grads: bool = False  # a backward that accumulates score_mod buffer gradients
+    deterministic: bool = False  # a backward whose gradients are bitwise reproducible
     score_loads_per_element: bool = False  # score_mod reads a different buffer element for every score
     tiles: tuple[tuple[str, int], ...] = ()  # tile fields the caller fixed (TILE_FIELDS), sorted
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
@@ -167,8 +168,8 @@ class SM80(Family):
 
 class SM90(Family):
     """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward and the
-    main backward kernel, head dims 64 and 128, no dropout; the backward without buffer gradients. Its
-    tiles are fixed."""
+    main backward kernel, head dims 64 and 128; the backward's buffer gradients only in non-deterministic
+    mode. Its tiles are fixed."""
 
     name = "sm90"
     kinds = ("fwd", "bwd")
@@ -182,7 +183,7 @@ class SM90(Family):
     # create_block_mask; hand-made lists keep the 128-row tile); not where a mod reads buffers (their
     # addresses spill at 160 registers: 200-390 B) or is long (attention-gym's tiled NATTEN and STA masks,
     # 31-44 operations, spill 44-256 B; its masks up to 16 operations spill nothing), nor for a mask_mod
-    # planned without its block mask.
+    # planned without its block mask, nor with dropout (Philox's state spills 532 B).
     FWD_THREE_WG = (192, 128, 12, 2)
     THREE_WG_MAX_OPS = 24
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
@@ -191,19 +192,21 @@ class SM90(Family):
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
     # at D = 128; softcap with a mask spills 40 B on the mask's partial tiles and still gains 2%). Not for a
     # mask_mod that reads buffers (documents spill 8 B per step and lost 3-34%) nor a score_mod that loads an
-    # element per score (a relative-bias table spills 228 B). A block mask's query blocks must be multiples of 128.
+    # element per score (a relative-bias table spills 228 B), nor with dropout (520-610 B) or buffer gradients
+    # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
 
     def arch_refusal(self, arch: str) -> str | None:
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
 
     def _refusal(self, call: Call) -> str | None:
-        if call.dropout:
-            return "it has no dropout"
         if call.max_scores:
             return "it does not write max_scores"
-        if call.buffer_grads:
-            return "it computes no score_mod buffer gradients"
+        if call.buffer_grads and call.deterministic:
+            # (ptxas fails on them at D = 64, C7600, and a relative-bias table spills 340 B at D = 128)
+            return "it computes buffer gradients only in non-deterministic mode"
+        if call.buffer_grads and call.dropout:
+            return "it does not combine buffer gradients with dropout (328 B of spills at D = 128)"
         if call.tiles:
             return ("its tiles are fixed; BLOCK_M / BLOCK_N / num_warps / num_stages and BLOCK_M1 / BLOCK_N1 / "
                     "num_warps1 are sm80 tile choices")
@@ -225,7 +228,7 @@ class SM90(Family):
             blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
                        and not call.mod_loads
                        and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
-            three = call.head_dim == 64 and small_mods and (unmasked or blocked)
+            three = call.head_dim == 64 and small_mods and (unmasked or blocked) and not call.dropout
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self._backward_tile(call)))
@@ -241,7 +244,8 @@ class SM90(Family):
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
-        wide = call.head_dim == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
+        wide = (call.head_dim == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
+                and not call.dropout and not call.buffer_grads)
         return self.BWD_WIDE if wide else self.BWD
 
     def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:

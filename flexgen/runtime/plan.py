@@ -53,6 +53,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
     score_loads = score_expr is not None and bool(buffers_of(score_expr))
     mask_loads = mask_expr is not None and bool(buffers_of(mask_expr))
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
+                deterministic=deterministic,
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 blocks_follow_mask=blocks_follow_mask,
