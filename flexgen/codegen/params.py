@@ -174,7 +174,7 @@ BWD_PARAMS = ParamStruct("BwdParams", (
     _line("int", "batch", "kv_heads", comment="  (KV tile, KV head, batch), the KV tile fastest"),
     _line("const int*", "kv_turns",
           comment="sm90 persistent, null or: the work tile of CTA c at turn t at [c + t * gridDim.x], -1: no more"),
-), map_names=("q_map", "k_map", "v_map", "do_map", "dq_map"))
+), map_names=("q_map", "k_map", "v_map", "do_map", "dq_map", "dk_map", "dv_map"))
 
 # sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O), and a zeroed dQ accumulator.
 BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (

@@ -51,8 +51,9 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
 
 
 # The sm90 backward adds dQ by TMA reductions of 64-row boxes: each consumer warpgroup's share of a step
-# (templates/sm90/bwd.cu.j2, DQ_ROWS).
+# (templates/sm90/bwd.cu.j2, DQ_ROWS); it stores dK and dV by TMA too, 64 key rows per warpgroup.
 DQ_BOX_ROWS = 64
+DKV_BOX_ROWS = 64
 
 # Deterministic mode: at most this many bytes of per-warp buffer-gradient copies (fewer splits,
 # then an error, past it).
@@ -221,6 +222,13 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
         p.k_map, p.v_map = tile_map(k, spec.block_n), tile_map(v, spec.block_n)
         if dq_accum is not None and not deterministic:  # dQ added by TMA reductions (deterministic: ordered adds)
             p.dq_map = tile_map(dq_accum[0], DQ_BOX_ROWS)
+        if not deterministic:  # dK and dV stored by TMA (deterministic: plain stores)
+            dk_out, dv_out = dk, dv
+            dk, dv = _tma_storable(dk), _tma_storable(dv)
+            if dk is not None:
+                p.dk_map = tile_map(dk, DKV_BOX_ROWS)
+            if dv is not None:
+                p.dv_map = tile_map(dv, DKV_BOX_ROWS)
     p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
     p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
     p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
@@ -247,6 +255,9 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     p.batch, p.kv_heads = batch, kv_heads
     grid = family.backward_grid(spec, p, q, k, num_kv_tiles, splits, bm)
     kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream, p)
+    if family.tensor_maps and not deterministic:  # gradients in their input's layout where that was not storable
+        dk = _copied_into(dk_out, dk)
+        dv = _copied_into(dv_out, dv)
     if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
         total = _ordered_sum(grad_parts)
         buffer_grads = {name: g.clone() for name, g in zip(grad_buffers, _buffer_views(total, grad_buffers, buffers))}
@@ -268,6 +279,23 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
     # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
     del delta, dq_accum, grad_parts
     return dq, dk, dv, buffer_grads
+
+
+def _tma_storable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t, or a contiguous stand-in where the copy engine cannot store into t's layout (rows not contiguous, strides or
+    base not 16-byte aligned)."""
+    if t is None:
+        return None
+    size = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _copied_into(out: torch.Tensor | None, written: torch.Tensor | None) -> torch.Tensor | None:
+    if out is not None and written is not out:
+        out.copy_(written)
+    return out
 
 
 def _buffer_views(flat: torch.Tensor, names: tuple[str, ...], buffers: dict) -> list[torch.Tensor]:

@@ -190,7 +190,7 @@ class SM90(Family):
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
     # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
-    # at D = 128; softcap with a mask spills 40 B on the mask's partial tiles and still gains 2%). Not for a
+    # at D = 128; softcap with a mask spills 40-44 B on the mask's partial tiles and still gains 2%). Not for a
     # mask_mod that reads buffers (documents spill 8 B per step and lost 3-34%) nor a score_mod that loads an
     # element per score (a relative-bias table spills 228 B), nor with dropout (520-610 B) or buffer gradients
     # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
