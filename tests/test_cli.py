@@ -240,7 +240,7 @@ def test_template_dir_options_reach_the_templates(tmp_path, capsys):
 
 def _runtime_specs(monkeypatch, arch, score, mask, head_dim, dtype, mask_block=(128, 128)):
     """The kernels flex_attention's forward and backward ask the cache for, for a query of this head
-    dim and dtype on `arch`, with a block mask of mask_block blocks."""
+    dim and dtype on `arch`, with a block mask of mask_block blocks from create_block_mask."""
     import torch
 
     import flexgen.arch
@@ -249,8 +249,8 @@ def _runtime_specs(monkeypatch, arch, score, mask, head_dim, dtype, mask_block=(
     monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: arch)
     _make_spec_cached.cache_clear()  # memoized per device, which here stands for several archs
     query = torch.empty(1, 1, 4, head_dim, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    return {make_spec("fwd", query, score, mask, None, mask_block=mask_block),
-            make_spec("bwd", query, score, mask, None, mask_block=mask_block),
+    return {make_spec("fwd", query, score, mask, None, mask_block=mask_block, blocks_follow_mask=True),
+            make_spec("bwd", query, score, mask, None, mask_block=mask_block, blocks_follow_mask=True),
             make_spec("bwd_preprocess", query, None, None, None), make_spec("bwd_postprocess", query, None, None, None)}
 
 
