@@ -157,3 +157,18 @@ def test_sm80_kernels_compile_for_blackwell_and_later(arch):
         assert shared_memory_bytes(kernel) <= flexgen.arch.shared_memory_limit(arch)
         if kind == "bwd":
             assert shared_memory_bytes(kernel) == families.of(spec).shared_memory_estimate(spec)
+
+
+def test_sm80_forward_tile_fits_the_mask_blocks():
+    """The sm80 forward halves its default tile to divide the mask's KV blocks, and its query blocks where the
+    lists were made by hand; under lists from the mask_mod it keeps its rows and walks their union."""
+    from flexgen.runtime.plan import plan
+
+    def tile(mask_block, follow=False, D=128):
+        spec = plan("fwd", "sm_80", D, "bf16", None, V.causal.expr, mask_block=mask_block, blocks_follow_mask=follow)
+        return spec.block_m, spec.block_n
+
+    assert tile((128, 128)) == (128, 64) and tile((64, 128)) == (64, 64) and tile((64, 32)) == (64, 32)
+    assert tile((32, 16)) == (64, 16)  # 16 rows per warp at least: kernel_block_mask refuses such a hand-made mask
+    assert tile((64, 128), follow=True) == tile((32, 128), follow=True) == (128, 64)
+    assert tile((64, 64), D=256) == (64, 32)

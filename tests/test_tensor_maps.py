@@ -55,6 +55,7 @@ def test_cached_maps_are_keyed_by_everything_the_encoding_reads(monkeypatch):
         return 0
 
     monkeypatch.setattr(tensor_maps, "_encoder", lambda: fake_encode)
+    monkeypatch.setattr(tensor_maps, "make_context_current", lambda: 0)  # (the fake driver needs no context)
     monkeypatch.setattr(tensor_maps, "_cache", type(tensor_maps._cache)())
     memory = torch.empty(2 * 3 * 64 * 128, dtype=torch.bfloat16)
     bhld = memory.view(2, 3, 64, 128)

@@ -93,14 +93,8 @@ class CompiledKernel:
         cuda = _cupy_cuda()
         driver, runtime = cuda.driver, cuda.runtime
 
-        index = runtime.getDevice()
+        index = make_context_current()
         fn = self.function(index)
-        if driver.ctxGetCurrent() == 0:
-            # The driver API launches in the calling thread's current context. A thread that has made no CUDA
-            # runtime call yet has none: PyTorch's autograd worker, where the backward runs, when nothing before
-            # this launch touched the device there. cudaSetDevice makes the device's primary context (PyTorch's)
-            # current in this thread.
-            runtime.setDevice(index)
         if shared_mem > MAX_STATIC_SHARED and self._smem_opt_in.get(index, 0) < shared_mem:
             driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
             self._smem_opt_in[index] = int(shared_mem)
@@ -111,6 +105,18 @@ class CompiledKernel:
         bx, by, bz = _dim3(block)
         driver.launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem), int(stream_ptr),
                             ctypes.addressof(arg_ptrs), 0)
+
+
+def make_context_current() -> int:
+    """The current device's index, its primary context (PyTorch's) made current in this thread if none is. The
+    driver API works in the calling thread's current context, and a thread that has made no CUDA runtime call yet
+    has none: PyTorch's autograd worker, where the backward runs, when nothing before flexgen's first driver call
+    touched the device there. cudaSetDevice makes the primary context current."""
+    cuda = _cupy_cuda()
+    index = cuda.runtime.getDevice()
+    if cuda.driver.ctxGetCurrent() == 0:
+        cuda.runtime.setDevice(index)
+    return index
 
 
 def _dim3(d) -> tuple[int, int, int]:

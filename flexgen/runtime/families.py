@@ -136,9 +136,22 @@ class SM80(Family):
         cfg.update(call.tiles)
         if call.kind == "fwd" and call.tiles:
             self.check_forward_tile(cfg)
+        elif call.kind == "fwd" and call.mask_block is not None:
+            self._fit_forward_tile(cfg, call)
         if call.kind == "bwd":  # num_warps is an upper bound; tiles shrink to divide mask blocks and fit
             cfg = bwd_tiles.fit(call.head_dim, cfg, call.mask_block, shared_memory_limit(call.arch), call.arch)
         return cfg
+
+    @staticmethod
+    def _fit_forward_tile(cfg: dict, call: Call) -> None:
+        """Halve the default tile until it divides the mask's blocks (16 rows per warp and 16 columns at least):
+        KV blocks always, query blocks unless the lists follow mask_mod, when a tile walks the union of the
+        query blocks it touches (runtime/coarse_rows.py) and keeps its rows."""
+        q_block, kv_block = call.mask_block
+        while not call.blocks_follow_mask and q_block % cfg["block_m"] and cfg["block_m"] > 16 * cfg["num_warps"]:
+            cfg["block_m"] //= 2
+        while kv_block % cfg["block_n"] and cfg["block_n"] > 16:
+            cfg["block_n"] //= 2
 
     FWD_WARPS = (4, 8)  # the counts the tile tables and tests run
     FWD_BLOCK_N = (16, 32, 64, 128)

@@ -90,20 +90,15 @@ def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
     checked against the kernel's tile."""
     check_block_grid(bm, query, key)
     check_block_tiles(bm, spec)
-    if _walks_row_unions(bm, spec):
+    if bm.blocks_follow_mask_mod:  # (a union's partial blocks are exact only then)
         bm = coarse_rows(bm, spec.block_m)  # (the mask itself where its query blocks fit the tile)
     return bm
 
 
-def _walks_row_unions(bm: BlockMask, spec: KernelSpec) -> bool:
-    """The sm90 forward, under a mask whose lists follow its mask_mod (a union's partial blocks are then exact)."""
-    return spec.family == "sm90" and bm.blocks_follow_mask_mod
-
-
 def check_block_tiles(bm: BlockMask, spec: KernelSpec) -> None:
-    """The mask's blocks against the kernel's tile (the sm90 forward takes any query block size of a mask from
-    create_block_mask: a taller tile walks the union of the blocks it touches)."""
-    rows_fit = bm.BLOCK_SIZE[0] % spec.block_m == 0 or _walks_row_unions(bm, spec)
+    """The mask's blocks against the kernel's tile (any query block size of a mask from create_block_mask: a taller
+    tile walks the union of the blocks it touches)."""
+    rows_fit = bm.BLOCK_SIZE[0] % spec.block_m == 0 or bm.blocks_follow_mask_mod
     if not rows_fit or bm.BLOCK_SIZE[1] % spec.block_n:
         raise ValueError(
             f"flex_attention: block mask BLOCK_SIZE {bm.BLOCK_SIZE} must be a multiple of the kernel tile "

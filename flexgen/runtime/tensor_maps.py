@@ -15,6 +15,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..cache.kernel import make_context_current
+
 MAP_WORDS = 16  # sizeof(CUtensorMap) / 8
 # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _FLOAT32 (the backward's dQ accumulator)
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7}
@@ -84,6 +86,7 @@ def tile_map(t: torch.Tensor, rows: int) -> ctypes.Array:
     if bad or t.data_ptr() % 16 or t.stride(-1) != 1:
         raise TensorMapError(f"a tensor of shape {tuple(t.shape)} and strides {t.stride()} cannot be read by the copy "
                              "engine: rows must be contiguous and every stride and the base 16-byte aligned")
+    make_context_current()  # (the encoder is a driver call, which needs one)
     out = (ctypes.c_uint64 * MAP_WORDS)()
     rc = _encoder()(
         ctypes.addressof(out), _DTYPES[t.dtype], 4, ctypes.c_void_p(t.data_ptr()),
