@@ -132,3 +132,26 @@ def test_only_lists_computed_from_the_mask_mod_are_walked_in_unions():
     hand_128 = flexgen.BlockMask.from_kv_blocks(made_128.kv_num_blocks, made_128.kv_indices, made_128.full_kv_num_blocks,
                                                 made_128.full_kv_indices, 128, causal, (1000, 1000))
     assert hand_spec.block_m == 128 and kernel_block_mask(hand_128, q, k, hand_spec) is hand_128
+
+
+def test_hand_made_query_blocks_below_every_tile_are_refused_before_a_launch(monkeypatch):
+    """32-row query blocks made by hand: no forward tile is that short (16 rows per warp, 4 warps), and a union
+    would not be exact, so the call says what the tile needs."""
+    import flexgen.arch
+    from flexgen.runtime.forward import kernel_block_mask
+    from flexgen.runtime.plan import make_spec
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")
+    made = flexgen.create_block_mask(causal, None, None, 512, 512, device="cpu", BLOCK_SIZE=(32, 128))
+    hand = flexgen.BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                                            made.full_kv_indices, made.BLOCK_SIZE, made.mask_mod, made.seq_lengths)
+    q = torch.empty(1, 1, 512, 128, dtype=torch.bfloat16)
+    spec = make_spec("fwd", q, None, flexgen.variants.causal, None, mask_block=(32, 128))
+    assert (spec.family, spec.block_m) == ("sm80", 64)
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE \(32, 128\) must be a multiple of the kernel tile \(64, 64\)"):
+        kernel_block_mask(hand, q, q, spec)
+    made_spec = make_spec("fwd", q, None, flexgen.variants.causal, None, mask_block=(32, 128), blocks_follow_mask=True)
+    assert made_spec.family == "sm90" and kernel_block_mask(made, q, q, made_spec).BLOCK_SIZE == (128, 128)
