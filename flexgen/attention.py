@@ -15,7 +15,8 @@ from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
-from .runtime.call_checks import UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, unfused_notice, unfused_reason
+from .runtime.call_checks import (UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, hand_made_blocks_reason,
+                                  unfused_notice, unfused_reason)
 from .runtime.plan import DTYPES
 from .warnings_once import warn_once_key
 
@@ -253,6 +254,13 @@ def flex_attention(
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     if bm is not None:  # here, not only in the ops: they take the lengths from the inputs
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
+        if reason is None:
+            reason = hand_made_blocks_reason(_static_block_size(bm)[0], bm.blocks_follow_mask_mod)
+            if reason is not None:
+                _refuse_unfused_dropout(reason, dropout_p)
+                if not torch.compiler.is_compiling():
+                    return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                              return_lse, dropout_p, return_aux)
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
     if reason is not None:

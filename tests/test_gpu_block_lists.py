@@ -60,6 +60,7 @@ CASES = [  # (mask_mod, BLOCK_SIZE, where the lists come from)
     (_causal, (128, 128), "torch"),
     (_causal, (64, 128), "flexgen"),  # query blocks below the forward's tile: no union may be walked
     (None, (256, 128), "torch"),
+    (_causal, (32, 128), "torch"),  # shorter than every forward tile: the unfused path
 ]
 
 

@@ -114,6 +114,32 @@ def test_reasons():
     assert attention.unfused_reason(torch.empty(1, 1, 8, 64, dtype=torch.bfloat16), torch.empty(1, 1, 8, 64)) == "CPU tensors"
 
 
+def test_hand_made_lists_of_short_query_blocks_run_unfused():
+    """Hand-made lists need query blocks of whole forward tiles (64 rows at least): a union of smaller ones would not
+    be exact. Lists from create_block_mask run on the kernels at any size."""
+    from flexgen.runtime.call_checks import hand_made_blocks_reason
+
+    assert hand_made_blocks_reason(128, False) is None and hand_made_blocks_reason(192, False) is None
+    assert hand_made_blocks_reason(32, True) is None and hand_made_blocks_reason(80, True) is None
+    assert "32-row query blocks" in hand_made_blocks_reason(32, False)
+    assert "80-row query blocks" in hand_made_blocks_reason(80, False)
+    assert hand_made_blocks_reason(1 << 30, False) is None  # PyTorch's empty mask
+
+
+def test_flex_attention_sends_hand_made_short_blocks_to_the_unfused_path(monkeypatch):
+    """What a CUDA call does with such a mask, its inputs' own reasons set aside (these are CPU tensors)."""
+    routed = []
+    monkeypatch.setattr(attention, "unfused_reason", lambda q, v: None)
+    monkeypatch.setattr(attention, "_unfused_attention", lambda reason, *args: routed.append(reason) or "unfused")
+    q, k, v = _inputs(torch.bfloat16, lq=128, lkv=128)
+    made = flexgen.create_block_mask(CAUSAL, None, None, 128, 128, BLOCK_SIZE=(32, 128))
+    hand = flexgen.BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                                            made.full_kv_indices, made.BLOCK_SIZE, made.mask_mod, made.seq_lengths)
+    assert flexgen.flex_attention(q, k, v, block_mask=hand) == "unfused" and "32-row query blocks" in routed[0]
+    with pytest.raises(ValueError, match="dropout needs the generated kernels"):
+        flexgen.flex_attention(q, k, v, block_mask=hand, dropout_p=0.1)
+
+
 def test_bf16_on_the_cpu_is_rounded_once():
     q, k, v = _inputs(torch.bfloat16)
     with pytest.warns(UserWarning, match="CPU tensors"):

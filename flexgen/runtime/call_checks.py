@@ -30,6 +30,19 @@ def unfused_reason(query, value) -> str | None:
     return None
 
 
+# The shortest forward tile (the sm80 family's: 16 rows per warp, 4 warps). Only lists computed from the mask_mod
+# may be walked in unions of query blocks (runtime/coarse_rows.py); hand-made ones need blocks of whole tiles.
+MIN_TILE_ROWS = 64
+
+
+def hand_made_blocks_reason(q_block: int, blocks_follow_mask_mod: bool) -> str | None:
+    """Why a block mask's lists keep the call off the generated kernels (None: they do not)."""
+    if blocks_follow_mask_mod or q_block % MIN_TILE_ROWS == 0:
+        return None
+    return (f"hand-made block lists of {q_block}-row query blocks (the kernels walk hand-made lists in blocks of a "
+            f"multiple of {MIN_TILE_ROWS} rows, and create_block_mask's lists at any size)")
+
+
 def unfused_notice(reason: str, stacklevel: int = 3) -> None:
     warn_once(f"flex_attention: {reason} run on flexgen's unfused float64 path (correct, much slower than the "
               f"generated kernels, which take bfloat16 / float16 CUDA tensors with head dims {HEAD_DIMS})",
