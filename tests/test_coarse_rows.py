@@ -136,7 +136,8 @@ def test_only_lists_computed_from_the_mask_mod_are_walked_in_unions():
 
 def test_hand_made_query_blocks_below_every_tile_are_refused_before_a_launch(monkeypatch):
     """32-row query blocks made by hand: no forward tile is that short (16 rows per warp, 4 warps), and a union
-    would not be exact, so the call says what the tile needs."""
+    would not be exact, so the kernels' own check says what the tile needs (flex_attention sends such a mask to the
+    unfused path before it gets there: tests/test_unfused_path.py)."""
     import flexgen.arch
     from flexgen.runtime.forward import kernel_block_mask
     from flexgen.runtime.plan import make_spec
