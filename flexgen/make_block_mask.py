@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import blockmask_validate as check
-from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, default_device, block_mask_of, reads_batch_heads
+from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, block_mask_of, default_device, reads_batch_heads
 from .dsl.api import as_mask_mod
 from .dynamo_marks import assume_constant_result
 

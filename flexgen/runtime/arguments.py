@@ -9,11 +9,17 @@ import torch
 from ..dsl.mod import Mod
 
 
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Whether the kernels (and the copy engine) can address t's rows: last dim contiguous, other strides and the
+    base 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernels read 16-byte rows: last dim contiguous, other strides and the base 16-byte aligned."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    """t, or an aligned copy where the kernels cannot read its rows (rows_aligned)."""
     # A fresh copy, not t.contiguous(): a contiguous view at a misaligned offset would come back as it is.
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
+    return t if rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 # Device copies of captured buffers that live elsewhere (e.g. a variant built on the CPU),

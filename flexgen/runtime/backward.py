@@ -36,7 +36,7 @@ import torch
 
 from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
-from .arguments import kernel_ready, mod_arguments
+from .arguments import kernel_ready, mod_arguments, rows_aligned
 from .call_checks import empty_like_layout
 from .forward import LOG2E, bh_strides, set_dropout
 from .kernel_symbols import shared_memory_bytes
@@ -282,12 +282,8 @@ def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, ker
 
 
 def _tma_storable(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t, or a contiguous stand-in where the copy engine cannot store into t's layout (rows not contiguous, strides or
-    base not 16-byte aligned)."""
-    if t is None:
-        return None
-    size = t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]):
+    """t, or a contiguous stand-in where the copy engine cannot store into t's layout (rows_aligned)."""
+    if t is None or rows_aligned(t):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 

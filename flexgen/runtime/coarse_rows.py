@@ -17,8 +17,8 @@ from .mask_cache import cached_per_mask, capturing
 
 def coarse_rows(block_mask, rows: int):
     """`block_mask` over query tiles of `rows` rows (BLOCK_SIZE (rows, its KV block)); the mask itself where its
-    query blocks are already a multiple of `rows`. Cached per count tensor (runtime/mask_cache.py); computed afresh under CUDA-graph capture, where a cached tensor's address must not
-    be captured."""
+    query blocks are already a multiple of `rows`. Cached per count tensor (runtime/mask_cache.py); computed afresh
+    under CUDA-graph capture, where a cached tensor's address must not be captured."""
     bq, bkv = block_mask.BLOCK_SIZE
     if bq % rows == 0:
         return block_mask
