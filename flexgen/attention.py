@@ -11,6 +11,7 @@ import sys
 import torch
 
 from .blockmask import LARGE_BLOCK_SIZE, BlockMask, sliced_mask_mod
+from .blockmask_follow import adopt_if_lists_follow
 from .cache.paths import background_compile
 from .codegen.options import call_options
 from .codegen.spec import HEAD_DIMS
@@ -254,15 +255,17 @@ def flex_attention(
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     if bm is not None:  # here, not only in the ops: they take the lengths from the inputs
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
-        if reason is None:
-            reason = hand_made_blocks_reason(_static_block_size(bm)[0], bm.blocks_follow_mask_mod)
-            if reason is not None:
-                _refuse_unfused_dropout(reason, dropout_p)
-                if not torch.compiler.is_compiling():
-                    return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                              return_lse, dropout_p, return_aux)
     score_parts = mod_parts(score_mod, "score")
     mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
+    if bm is not None and mask_parts is not None:  # (PyTorch's create_block_mask's lists follow their mask_mod)
+        bm = adopt_if_lists_follow(bm, *mask_parts)
+    if bm is not None and reason is None:
+        reason = hand_made_blocks_reason(_static_block_size(bm)[0], bm.blocks_follow_mask_mod)
+        if reason is not None:
+            _refuse_unfused_dropout(reason, dropout_p)
+            if not torch.compiler.is_compiling():
+                return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                          return_lse, dropout_p, return_aux)
     if reason is not None:
         if score_parts is None or mask_parts is None:  # mods the tracer cannot take: a graph break
             return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,

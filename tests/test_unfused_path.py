@@ -133,7 +133,9 @@ def test_flex_attention_sends_hand_made_short_blocks_to_the_unfused_path(monkeyp
     monkeypatch.setattr(attention, "_unfused_attention", lambda reason, *args: routed.append(reason) or "unfused")
     q, k, v = _inputs(torch.bfloat16, lq=128, lkv=128)
     made = flexgen.create_block_mask(CAUSAL, None, None, 128, 128, BLOCK_SIZE=(32, 128))
-    hand = flexgen.BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+    counts = made.kv_num_blocks.clone()
+    counts[..., 3] = 0  # the last query block's diagonal block left out: lists that disagree with the mask_mod
+    hand = flexgen.BlockMask.from_kv_blocks(counts, made.kv_indices, made.full_kv_num_blocks,
                                             made.full_kv_indices, made.BLOCK_SIZE, made.mask_mod, made.seq_lengths)
     assert flexgen.flex_attention(q, k, v, block_mask=hand) == "unfused" and "32-row query blocks" in routed[0]
     with pytest.raises(ValueError, match="dropout needs the generated kernels"):
