@@ -19,6 +19,9 @@ from .runtime.mask_cache import cached_per_mask, capturing
 
 log = logging.getLogger(__name__)
 
+# Blocks (B x H x nQ x nKV) past which a mask is not classified: the comparison holds them densely, a byte each.
+MAX_BLOCKS = 1 << 26
+
 
 def adopt_if_lists_follow(bm: BlockMask, mask_token: str, mask_buffers) -> BlockMask:
     """`bm` marked as following its mask_mod where its lists agree with the traced mask (`mask_token`); else `bm`."""
@@ -52,6 +55,8 @@ def lists_follow(bm: BlockMask, mod: Mod) -> bool:
         return False  # lists shared across batches or heads by a mask that tells them apart
     q_len, kv_len = bm.seq_lengths
     bq, bkv = bm.BLOCK_SIZE
+    if batch * heads * -(-q_len // bq) * -(-kv_len // bkv) > MAX_BLOCKS:
+        return False
     ours = block_mask_of(mod, batch, heads, q_len, kv_len, bq, bkv, bm.device)
     their_partial, their_full = _states(bm)
     our_partial, our_full = _states(ours)

@@ -118,3 +118,14 @@ def test_flex_attention_runs_adopted_short_blocks_on_the_kernels(monkeypatch):
     hand = TorchBlockMask.from_kv_blocks(*dense_to_lists(partial), *dense_to_lists(full), BLOCK_SIZE=(32, 128),
                                          mask_mod=causal, seq_lengths=(256, 256))
     assert flexgen.flex_attention(q, k, v, block_mask=hand) == "unfused" and "32-row" in routed[0]
+
+
+def test_masks_past_the_classification_budget_are_walked_as_they_are(monkeypatch):
+    import flexgen.blockmask_follow as follow
+
+    torch_mask = torch_create_block_mask(causal, None, None, 512, 512, device="cpu", BLOCK_SIZE=(64, 128))
+    bm = BlockMask.from_torch(torch_mask)
+    mod = flexgen.mask_mod(causal)
+    assert lists_follow(bm, mod)
+    monkeypatch.setattr(follow, "MAX_BLOCKS", 8 * 4 - 1)
+    assert not lists_follow(bm, mod)
