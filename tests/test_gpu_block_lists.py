@@ -104,3 +104,25 @@ def test_lists_from_the_mask_mod_stay_exact_when_a_tile_merges_query_blocks():
     assert bm.blocks_follow_mask_mod
     out, lse = run_flexgen(q, k, v, None, bm)
     assert_matches(out, lse, q, k, v, None, same, seed=seed, what="derived lists (64, 128) D=64")
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("block", [(32, 128), (64, 128), (128, 128)])
+def test_pytorch_masks_from_their_mask_mod_are_adopted_and_exact(D, block):
+    """PyTorch's create_block_mask computes its lists from the mask_mod: flexgen adopts them (blockmask_follow.py),
+    so that a tile may walk the union of their query blocks, and the result stays the mask_mod's."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    from flexgen.blockmask import BlockMask
+    from flexgen.blockmask_follow import adopt_if_lists_follow
+    from flexgen.variant import mod_parts
+
+    seed = fresh_seed()
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    bm = torch_create_block_mask(_causal, None, None, L, L, device=DEV, BLOCK_SIZE=block)
+    ours = BlockMask.from_torch(bm)
+    assert adopt_if_lists_follow(ours, *mod_parts(ours.mask_mod, "mask")).blocks_follow_mask_mod
+    out, lse = run_flexgen(q, k, v, None, bm)
+    assert_matches(out, lse, q, k, v, None, flexgen.mask_mod(_causal), seed=seed,
+                   what=f"PyTorch causal mask {block} D={D}")
