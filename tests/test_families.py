@@ -172,3 +172,6 @@ def test_sm80_forward_tile_fits_the_mask_blocks():
     assert tile((32, 16)) == (64, 16)  # 16 rows per warp at least: kernel_block_mask refuses such a hand-made mask
     assert tile((64, 128), follow=True) == tile((32, 128), follow=True) == (128, 64)
     assert tile((64, 64), D=256) == (64, 32)
+    # dropout's lean tile at D = 128 (8 warps of 16 rows) under 64-row blocks: 4 warps of 16 rows
+    spec = plan("fwd", "sm_80", 128, "bf16", None, V.causal.expr, dropout=True, mask_block=(64, 128))
+    assert (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 4)

@@ -142,14 +142,19 @@ class SM80(Family):
             cfg = bwd_tiles.fit(call.head_dim, cfg, call.mask_block, shared_memory_limit(call.arch), call.arch)
         return cfg
 
-    @staticmethod
-    def _fit_forward_tile(cfg: dict, call: Call) -> None:
-        """Halve the default tile until it divides the mask's blocks (16 rows per warp and 16 columns at least):
-        KV blocks always, query blocks unless the lists follow mask_mod, when a tile walks the union of the
-        query blocks it touches (runtime/coarse_rows.py) and keeps its rows."""
+    def _fit_forward_tile(self, cfg: dict, call: Call) -> None:
+        """Halve the default tile until it divides the mask's blocks (16 rows per warp, 4 warps and 16 columns at
+        least): KV blocks always, query blocks unless the lists follow mask_mod, when a tile walks the union of
+        the query blocks it touches (runtime/coarse_rows.py) and keeps its rows."""
         q_block, kv_block = call.mask_block
-        while not call.blocks_follow_mask and q_block % cfg["block_m"] and cfg["block_m"] > 16 * cfg["num_warps"]:
-            cfg["block_m"] //= 2
+        while not call.blocks_follow_mask and q_block % cfg["block_m"]:
+            if cfg["block_m"] > 16 * cfg["num_warps"]:
+                cfg["block_m"] //= 2
+            elif cfg["num_warps"] > min(self.FWD_WARPS):  # (the lean tiles' 8 warps of 16 rows: the same per warp)
+                cfg["block_m"] //= 2
+                cfg["num_warps"] //= 2
+            else:
+                break
         while kv_block % cfg["block_n"] and cfg["block_n"] > 16:
             cfg["block_n"] //= 2
 
