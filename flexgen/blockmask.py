@@ -279,14 +279,7 @@ class BlockMask:
             raise ValueError(f"BlockMask._adjust: new lengths ({new_q_len}, {new_kv_len}) must be positive and at most "
                              f"the mask's ({q_len}, {kv_len}); build a new mask for longer sequences")
         bq, bkv = self.BLOCK_SIZE
-        rows, cols = -(-int(new_q_len) // bq), -(-int(new_kv_len) // bkv)
-
-        def kept(counts, indices):
-            return self._dense(counts, indices)[..., :rows, :cols]
-
-        partial = kept(self.kv_num_blocks, self.kv_indices)
-        full = (kept(self.full_kv_num_blocks, self.full_kv_indices) if self.full_kv_num_blocks is not None
-                else torch.zeros_like(partial))
+        partial, full = self.block_states(-(-int(new_q_len) // bq), -(-int(new_kv_len) // bkv))
         adjusted = BlockMask.from_dense_blocks(full, partial, self.BLOCK_SIZE, (int(new_q_len), int(new_kv_len)),
                                                self.mask_mod)
         return adjusted.derived_from_mask_mod() if self.blocks_follow_mask_mod else adjusted
@@ -297,6 +290,14 @@ class BlockMask:
 
     def _dense(self, counts, indices) -> torch.Tensor:
         return lists_to_dense(counts, indices, self.kv_indices.shape[-1])
+
+    def block_states(self, rows: int | None = None, cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partial, full) as (B, H, nQ, nKV) booleans from the KV lists, over the first `rows` x `cols` blocks (all
+        by default); full is all False where the mask lists no full blocks."""
+        partial = self._dense(self.kv_num_blocks, self.kv_indices)[..., :rows, :cols]
+        if self.full_kv_num_blocks is None:
+            return partial, torch.zeros_like(partial)
+        return partial, self._dense(self.full_kv_num_blocks, self.full_kv_indices)[..., :rows, :cols]
 
     def to_dense(self) -> torch.Tensor:
         """(B, H, nQ, nKV) int32: 1 where a block is visited (partial or full)."""

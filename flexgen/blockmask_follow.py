@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .blockmask import BlockMask, block_mask_of, lists_to_dense, reads_batch_heads
+from .blockmask import BlockMask, block_mask_of, reads_batch_heads
 from .dsl.mod import Mod, mod_for_token
 from .runtime.mask_cache import cached_per_mask, capturing
 
@@ -55,23 +55,12 @@ def lists_follow(bm: BlockMask, mod: Mod) -> bool:
         return False  # lists shared across batches or heads by a mask that tells them apart
     q_len, kv_len = bm.seq_lengths
     bq, bkv = bm.BLOCK_SIZE
-    if batch * heads * -(-q_len // bq) * -(-kv_len // bkv) > MAX_BLOCKS:
+    n_q, n_kv = -(-q_len // bq), -(-kv_len // bkv)
+    if batch * heads * n_q * n_kv > MAX_BLOCKS:
         return False
     ours = block_mask_of(mod, batch, heads, q_len, kv_len, bq, bkv, bm.device)
-    their_partial, their_full = _states(bm)
-    our_partial, our_full = _states(ours)
+    their_partial, their_full = bm.block_states(n_q, n_kv)
+    our_partial, our_full = ours.block_states(n_q, n_kv)
     hidden_by_them = ~(their_partial | their_full)
     hidden_by_mod = ~(our_partial | our_full)
     return not bool(((hidden_by_them & ~hidden_by_mod) | (their_full & ~our_full)).any())
-
-
-def _states(bm: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial, full) as (B, H, nQ, nKV) booleans over the blocks of the mask's lengths."""
-    q_len, kv_len = bm.seq_lengths
-    bq, bkv = bm.BLOCK_SIZE
-    n_q, n_kv = -(-q_len // bq), -(-kv_len // bkv)
-    cols = bm.kv_indices.shape[-1]
-    partial = lists_to_dense(bm.kv_num_blocks, bm.kv_indices, cols)[..., :n_q, :n_kv]
-    if bm.full_kv_num_blocks is None:
-        return partial, torch.zeros_like(partial)
-    return partial, lists_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, cols)[..., :n_q, :n_kv]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..blockmask import BlockMask, dense_to_lists, lists_to_dense
+from ..blockmask import BlockMask, dense_to_lists
 from .mask_cache import cached_per_mask, capturing
 
 
@@ -32,13 +32,8 @@ def coarse_rows(block_mask, rows: int):
 def _coarsen(block_mask, rows: int) -> BlockMask:
     bq, bkv = block_mask.BLOCK_SIZE
     q_len, kv_len = block_mask.seq_lengths
-    cols = block_mask.kv_indices.shape[-1]
     device = block_mask.kv_indices.device
-    partial = lists_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, cols)
-    if block_mask.full_kv_num_blocks is not None:
-        full = lists_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, cols)
-    else:
-        full = torch.zeros_like(partial)
+    partial, full = block_mask.block_states()
     tiles = torch.arange(-(-q_len // rows), device=device)
     first = tiles * rows // bq
     last = (torch.clamp((tiles + 1) * rows, max=q_len) - 1) // bq
