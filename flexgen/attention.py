@@ -100,10 +100,13 @@ def _refuse_sliced_mask(block_mask) -> None:
                            "(block_mask[...]); set its mask_mod to one written for the slice, or build a new mask")
 
 
-def _refuse_unfused_dropout(reason: str, dropout_p: float) -> None:
+def _leaves_for_unfused(reason: str, dropout_p: float) -> bool:
+    """For a call that `reason` keeps off the generated kernels: refuses dropout, which the unfused path has not,
+    and says whether the call takes that path now (eager calls; under torch.compile the ops run it)."""
     if dropout_p > 0.0:
         raise ValueError(f"flex_attention: dropout needs the generated kernels (bf16 / fp16 CUDA tensors, head dims "
                          f"{HEAD_DIMS}); {reason} run on the unfused path, which has none")
+    return not torch.compiler.is_compiling()
 
 
 def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, scale, enable_gqa: bool, return_lse: bool,
@@ -250,9 +253,7 @@ def flex_attention(
     kernel_options = dict(_checked_options(kernel_options))
     key, value = _broadcast_kv_batch(query, key, value)
     reason = unfused_reason(query, value)
-    if reason is not None:
-        _refuse_unfused_dropout(reason, dropout_p)
-    if reason is not None and not torch.compiler.is_compiling():
+    if reason is not None and _leaves_for_unfused(reason, dropout_p):
         return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                   dropout_p, return_aux)
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
@@ -264,11 +265,9 @@ def flex_attention(
         bm = adopt_if_lists_follow(bm, *mask_parts)
     if bm is not None and reason is None:
         reason = hand_made_blocks_reason(_static_block_size(bm)[0], bm.blocks_follow_mask_mod)
-        if reason is not None:
-            _refuse_unfused_dropout(reason, dropout_p)
-            if not torch.compiler.is_compiling():
-                return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                          return_lse, dropout_p, return_aux)
+        if reason is not None and _leaves_for_unfused(reason, dropout_p):
+            return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                      dropout_p, return_aux)
     if reason is not None:
         if score_parts is None or mask_parts is None:  # mods the tracer cannot take: a graph break
             return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
