@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from . import eager_plans
 from .blockmask import LARGE_BLOCK_SIZE, BlockMask, sliced_mask_mod
 from .blockmask_follow import adopt_if_lists_follow
 from .cache.paths import background_compile
@@ -229,6 +230,13 @@ def flex_attention(
     >>> mask = create_block_mask(causal, None, None, 4096, 4096)
     >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30), block_mask=mask)
     """
+    plan_key, user_mask = None, block_mask
+    if not torch.compiler.is_compiling():  # a call planned before runs its plan (eager_plans.py)
+        plan_key = eager_plans.signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                         kernel_options, dropout_p, return_aux)
+        plan = None if plan_key is None else eager_plans.find(plan_key, score_mod, block_mask)
+        if plan is not None and plan.route_ok(query, key, value, plan.buffers):
+            return plan.run(query, key, value, AuxOutput)
     from .dropout import check_dropout_range
     from .ops import attention_eager, attention_fwd, default_scale, eager_route_ok, mask_tensors
     from .variant import mod_parts, variant_key
@@ -293,6 +301,9 @@ def flex_attention(
     args = (mask_tensors(bm), buffers, float(scale), variant, float(dropout_p), _dropout_rng(dropout_p), want_max,
             reason is not None)
     if eager_route_ok(query, key, value, buffers):
+        if plan_key is not None and reason is None and dropout_p == 0.0 and query.numel() > 0:
+            plan = _plan(plan_key, query, key, value, args, score_mod, user_mask, return_lse, return_aux)
+            return plan.run(query, key, value, AuxOutput)
         out, lse, row_max = attention_eager(query, key, value, *args)
     else:
         masks, *rest = args
@@ -300,6 +311,21 @@ def flex_attention(
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if want_max else None)
     return (out, lse) if return_lse else out
+
+
+def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_mask, return_lse: bool, return_aux):
+    """The plan of a checked eager call (op_args: attention_eager's arguments after q, k, v), kept for the calls
+    with its signature."""
+    from . import ops
+    from .ops import eager_plan_parts, records_grad
+
+    masks, buffers, scale, variant, _, _, want_max, _ = op_args
+    launch, call = eager_plan_parts(query, key, value, masks, buffers, scale, variant, want_max)
+    plan = eager_plans.EagerPlan(launch, call, tuple(buffers), records_grad(query, key, value, buffers),
+                                 returns=(return_lse, return_aux, want_max),
+                                 route_ok=lambda *a: ops.eager_route_ok(*a))  # (looked up per call)
+    eager_plans.keep(plan_key, plan, score_mod, block_mask)
+    return plan
 
 
 def _static_block_size(bm: BlockMask | None) -> tuple[int, int] | None:

@@ -291,8 +291,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, q, k, v, *buffers):
-        masks, scale, key, dropout_p, rng, return_max, unfused = call
-        out, lse, row_max = _forward(q, k, v, masks, list(buffers), scale, key, dropout_p, rng, return_max, unfused)
+        masks, scale, key, dropout_p, rng, return_max, unfused, planned = call
+        if planned is not None:  # a planned call (eager_plans.py)
+            out, lse, *rest = planned.forward.run(q, k, v)
+            row_max = rest[0] if rest else q.new_empty(0, dtype=torch.float32)
+        else:
+            out, lse, row_max = _forward(q, k, v, masks, list(buffers), scale, key, dropout_p, rng, return_max, unfused)
         ctx.mark_non_differentiable(row_max)
         ctx.save_for_backward(q, k, v, out, lse, *buffers)
         ctx.call = call
@@ -304,11 +308,16 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, lse, *buffers = ctx.saved_tensors
         if grad_out is None:  # only lse was used
             grad_out = torch.zeros_like(out)
-        masks, scale, key, dropout_p, rng, _, unfused = ctx.call
+        masks, scale, key, dropout_p, rng, _, unfused, planned = ctx.call
         need = ctx.needs_input_grad
         wanted = [i for i, n in enumerate(need[4:]) if n]
-        dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, key,
-                                           dropout_p, rng, tuple(bool(n) for n in need[1:4]), wanted, unfused)
+        need_qkv = tuple(bool(n) for n in need[1:4])
+        if planned is not None:
+            dq, dk, dv, grads = planned.backward(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, key,
+                                                 need_qkv, wanted)
+        else:
+            dq, dk, dv, grads = _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, key,
+                                               dropout_p, rng, need_qkv, wanted, unfused)
         return (None, dq, dk, dv, *_buffer_grads(wanted, grads, buffers))
 
 
@@ -321,12 +330,61 @@ def eager_route_ok(q: Tensor, k: Tensor, v: Tensor, buffers) -> bool:
             and torch._C._functorch.peek_interpreter_stack() is None)
 
 
+def records_grad(q: Tensor, k: Tensor, v: Tensor, buffers) -> bool:
+    """Whether autograd records this call."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or any(b.requires_grad for b in buffers))
+
+
 def attention_eager(q, k, v, masks, buffers, scale: float, variant_key: str, dropout_p: float, rng, return_max: bool,
                     unfused: bool = False):
     """attention_fwd's result, without the dispatcher: through _EagerAttention where autograd records, else
     the forward alone."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or any(b.requires_grad for b in buffers)):
-        return _EagerAttention.apply((tuple(masks), scale, variant_key, dropout_p, rng, return_max, unfused), q, k, v,
-                                     *buffers)
+    if records_grad(q, k, v, buffers):
+        return _EagerAttention.apply((tuple(masks), scale, variant_key, dropout_p, rng, return_max, unfused, None), q, k,
+                                     v, *buffers)
     return _forward(q, k, v, tuple(masks), list(buffers), scale, variant_key, dropout_p, rng, return_max, unfused)
+
+
+class PlannedCall:
+    """The launches of a planned eager call without dropout (eager_plans.py): its forward
+    (runtime/forward.ForwardLaunch), made with the plan, and its backwards (runtime/backward.BackwardLaunch), made
+    at the first backward of each layout of the output gradient and set of gradients wanted."""
+
+    MAX_BACKWARDS = 8
+
+    def __init__(self, q, k, v, masks, buffers, scale: float, variant_key: str, return_max: bool):
+        var = variant(variant_key)
+        score, mask = var.bind(buffers)
+        bm = _block_mask(var, masks, q, k)
+        extra = {"max_scores": True} if return_max else {}
+        self.forward = _forward_pass.prepare_forward(q, k, v, score, bm, mask, resolve_scale(scale, q),
+                                                     var.kernel_options, **extra)
+        self.backwards: dict[tuple, object] = {}
+
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, variant_key, need: tuple,
+                 buffer_grads: list):
+        """_backward_impl's result, through the BackwardLaunch of this output gradient's layout."""
+        key = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.data_ptr() % 16, need, tuple(buffer_grads))
+        launch = self.backwards.get(key)
+        var = variant(variant_key)
+        score, mask = var.bind(buffers)
+        names = _buffer_names(score, mask)
+        wanted = tuple(names[i] for i in buffer_grads)
+        if launch is None:
+            bm = _block_mask(var, masks, q, k)
+            launch = _backward_pass.prepare_backward(q, k, v, out, grad_out, score, bm, mask, resolve_scale(scale, q),
+                                                     var.kernel_options, need, wanted)
+            if len(self.backwards) >= self.MAX_BACKWARDS:
+                self.backwards.clear()
+            self.backwards[key] = launch
+        dq, dk, dv, grads = launch.run(q, k, v, out, lse, grad_out, grad_lse)
+        dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+        return dq, dk, dv, [grads[n] for n in wanted]
+
+
+def eager_plan_parts(q, k, v, masks, buffers, scale: float, variant_key: str, return_max: bool):
+    """For a planned eager call without dropout (eager_plans.py): its PlannedCall and the call tuple of its
+    autograd node, which runs it."""
+    planned = PlannedCall(q, k, v, masks, buffers, scale, variant_key, return_max)
+    return planned.forward, (tuple(masks), scale, variant_key, 0.0, None, return_max, False, planned)

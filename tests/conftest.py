@@ -26,3 +26,14 @@ def isolated_kernel_cache(tmp_path_factory, monkeypatch):
     for var in FLEXGEN_ENV:
         monkeypatch.delenv(var, raising=False)
     return path
+
+
+@pytest.fixture(autouse=True)
+def no_planned_calls_across_tests():
+    """Each test plans its own eager calls (flexgen/eager_plans.py): a plan made under another test's patches
+    would otherwise serve a call of the same signature."""
+    from flexgen import eager_plans
+
+    eager_plans.clear()
+    yield
+    eager_plans.clear()

@@ -19,6 +19,7 @@ from flexgen.runtime.backward import fold_lse_grad
 from flexgen.runtime.call_checks import MAX_GRID_YZ, dim_order, empty_like_layout
 from flexgen.runtime.plan import make_spec
 from flexgen.variant import variant_key
+from reference_launches import reference_backward, reference_forward, reference_launches
 
 META = "meta"
 B, H, L, D = 2, 4, 256, 64
@@ -80,14 +81,18 @@ def test_backward_hands_grad_out_through_kernel_ready(monkeypatch):
     """grad_out is a user tensor too (any view): the backward makes it kernel-ready before planning."""
     from flexgen.runtime import backward
 
+    import contextlib
+
     seen = []
     monkeypatch.setattr(backward, "kernel_ready", lambda t: seen.append(t) or kernel_ready(t))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: (_ for _ in ()).throw(_Stop()))  # before any launch
     q = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
     grad_out = torch.as_strided(torch.randn(1 << 14, dtype=torch.bfloat16), q.shape, q.stride(), 997)
+    launch = object.__new__(backward.BackwardLaunch)  # (planned for aligned inputs; the gradient's layout is free)
+    launch.want, launch.copies, launch.dtype, launch.device = (True, True, True), (False,) * 4, q.dtype, q.device
     with pytest.raises(_Stop):
-        backward._backward(q, q, q, q, torch.zeros(1, 2, 40), grad_out, None, None, None, 0.1, None,
-                           (True, True, True), (), 0.0, None, None)
+        launch.run(q, q, q, q, torch.zeros(1, 2, 40), grad_out)
     assert any(t is grad_out for t in seen) and kernel_ready(grad_out).data_ptr() % 16 == 0
 
 
@@ -159,46 +164,24 @@ def test_lse_gradient_of_a_row_that_saw_nothing_is_dropped():
     assert delta.tolist() == [[[0.0, -2.0]]]
 
 
-def _reference_forward(q, k, v, score, bm, mask, scale, kernel_options, **_):
-    out, lse = flexgen.reference_attention(q, k, v, score_mod=score, mask_mod=mask, scale=scale, return_lse=True)
-    return out.to(q.dtype), lse
-
-
-def _reference_backward(q, k, v, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs, grad_buffers=(),
-                        grad_lse=None, **_):
-    """float64 autograd of (out, lse) with the gradients the op received, on another thread (autograd is off
-    inside an op's kernel, thread-locally)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def run():
-        with torch.enable_grad():
-            x = [t.detach().double().requires_grad_() for t in (q, k, v)]
-            o, l_ = flexgen.reference_attention(*x, score_mod=score, mask_mod=mask, scale=scale, return_lse=True)
-            outs, grads = [o], [grad_out.double()]
-            if grad_lse is not None:
-                outs.append(l_)
-                grads.append(grad_lse.double())
-            g = torch.autograd.grad(outs, x, grads)
-        return g[0].to(q.dtype), g[1].to(q.dtype), g[2].to(q.dtype), {}
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(run).result()
-
-
-@pytest.mark.parametrize("route", ["eager", "compiled", "eager-route"])
+@pytest.mark.parametrize("route", ["eager", "compiled", "eager-route", "planned"])
 def test_lse_gradient_reaches_the_backward_under_torch_compile(monkeypatch, route):
     """The kernels swapped for the float64 reference on the CPU: gradients of out * a + lse * b + lse**2 * c,
-    through the ops eagerly, through torch.compile (AOTAutograd), and through the ops' dispatcher-free twin that
-    eager CUDA calls take (ops._EagerAttention), equal float64 autograd of the same loss."""
-    from flexgen import attention, ops
+    through the ops eagerly, through torch.compile (AOTAutograd), through the ops' dispatcher-free twin that
+    eager CUDA calls take (ops._EagerAttention), and through a planned call (eager_plans.py: its first and its
+    second call) equal float64 autograd of the same loss."""
+    from flexgen import attention, eager_plans, ops
     from flexgen.runtime import backward, forward
 
-    if route == "eager-route":
+    if route in ("eager-route", "planned"):
         monkeypatch.setattr(ops, "eager_route_ok", lambda *a: True)
+    if route == "eager-route":
+        monkeypatch.setattr(eager_plans, "signature", lambda *a: None)
+    made = reference_launches(monkeypatch) if route == "planned" else []
     monkeypatch.setattr(attention, "_check_inputs", lambda *a: None)
     monkeypatch.setattr(attention, "unfused_reason", lambda *a: None)  # CPU tensors through the ops, not the unfused path
-    monkeypatch.setattr(forward, "forward_call", _reference_forward)
-    monkeypatch.setattr(backward, "backward_call", _reference_backward)
+    monkeypatch.setattr(forward, "forward_call", reference_forward)
+    monkeypatch.setattr(backward, "backward_call", reference_backward)
     torch._dynamo.reset()
     torch.manual_seed(1)
     x = [torch.randn(1, 2, 64, 32, requires_grad=True) for _ in range(3)]
@@ -208,12 +191,15 @@ def test_lse_gradient_reaches_the_backward_under_torch_compile(monkeypatch, rout
         return out.sum() * 0.7 + aux.lse.sum() * -1.3 + (aux.lse ** 2).sum() * 0.2
 
     fn = torch.compile(loss, backend="aot_eager", fullgraph=True) if route == "compiled" else loss
-    got = torch.autograd.grad(fn(*x), x)
     x64 = [t.detach().double().requires_grad_() for t in x]
     out, lse = flexgen.reference_attention(*x64, return_lse=True)
     want = torch.autograd.grad(out.sum() * 0.7 + lse.sum() * -1.3 + (lse ** 2).sum() * 0.2, x64)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+    for _ in range(2):
+        got = torch.autograd.grad(fn(*x), x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+    if route == "planned":  # planned once, run twice (the backward with the first layout of grad_out)
+        assert made == ["fwd", "bwd"]
 
 
 # ---------------------------------------------------------------- 3. return_aux

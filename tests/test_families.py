@@ -81,13 +81,13 @@ def test_threads_and_grids():
     k = torch.empty(2, 3, 700, 128, device="meta")
     sm80_fwd = planning.plan("fwd", "sm_80", 128, "bf16")
     assert families.of(sm80_fwd).threads_per_cta(sm80_fwd) == 32 * sm80_fwd.num_warps
-    assert families.of(sm80_fwd).forward_grid(sm80_fwd, None, q, k, None, None) == (-(-1000 // sm80_fwd.block_m), 6, 2)
+    assert families.of(sm80_fwd).forward_grid(sm80_fwd, None, q, k, None)[0] == (-(-1000 // sm80_fwd.block_m), 6, 2)
     sm90_bwd = planning.plan("bwd", "sm_90a", 128, "bf16", extra=(("persistent", False),))
     family = families.of(sm90_bwd)
     assert family.name == "sm90" and family.threads_per_cta(sm90_bwd) == 3 * 128  # a producer warpgroup beside two
-    assert family.backward_grid(sm90_bwd, None, q, k, 6, 1) == (6, 3, 2)  # one CTA per KV tile without persistence
+    assert family.backward_grid(sm90_bwd, None, q, k, 6, 1)[0] == (6, 3, 2)  # one CTA per KV tile without persistence
     deterministic = sm90_bwd.with_(deterministic=True, extra=())
-    assert family.backward_grid(deterministic, None, q, k, 6, 4) == (4, 3, 2)  # `splits` CTAs per (batch, KV head)
+    assert family.backward_grid(deterministic, None, q, k, 6, 4)[0] == (4, 3, 2)  # `splits` CTAs per (batch, KV head)
 
 
 @pytest.mark.parametrize("kind,options,emit_options", [

@@ -97,11 +97,13 @@ def assert_close_to_reference(got, ref, base, names, tag):
         assert err <= bar, f"{name} error {err:.3e} > {bar:.3e} (2 x PyTorch's low-precision error + {EPS}): {tag}"
 
 
-def check(q, k, v, score, mask, coeffs, gqa=False, kernel_options=None, tag=""):
+def check(q, k, v, score, mask, coeffs, gqa=False, kernel_options=None, tag="", block_mask=None):
     """flexgen's out, lse and gradients of loss_of against float64, for the given (possibly odd) inputs,
-    which must be leaves that require grad."""
+    which must be leaves that require grad; through `block_mask` where given (made from mask_mod otherwise)."""
     L = q.shape[2]
-    bm = flexgen.create_block_mask(mask, None, None, L, k.shape[2], device=DEV) if mask is not None else None
+    bm = block_mask
+    if bm is None and mask is not None:
+        bm = flexgen.create_block_mask(mask, None, None, L, k.shape[2], device=DEV)
     w = torch.randn(q.shape, device=DEV, dtype=q.dtype)
     for t in (q, k, v):
         t.grad = None

@@ -56,7 +56,7 @@ def test_cached_maps_are_keyed_by_everything_the_encoding_reads(monkeypatch):
 
     monkeypatch.setattr(tensor_maps, "_encoder", lambda: fake_encode)
     monkeypatch.setattr(tensor_maps, "make_context_current", lambda: 0)  # (the fake driver needs no context)
-    monkeypatch.setattr(tensor_maps, "_cache", type(tensor_maps._cache)())
+    monkeypatch.setattr(tensor_maps, "_layouts", type(tensor_maps._layouts)())
     memory = torch.empty(2 * 3 * 64 * 128, dtype=torch.bfloat16)
     bhld = memory.view(2, 3, 64, 128)
     blhd = memory.view(2, 64, 3, 128).transpose(1, 2)  # same pointer and shape, other strides
@@ -67,3 +67,26 @@ def test_cached_maps_are_keyed_by_everything_the_encoding_reads(monkeypatch):
     dims, strides, box = encode_args(blhd, 128)
     assert encoded[1] == (dims, strides, box) and encoded[2][2] == (64, 64, 1, 1)
     assert len(encoded) == 3
+
+
+def test_a_layout_encodes_each_address_once(monkeypatch):
+    """A planned launch's outputs come at new addresses: each is encoded with the layout's arguments, once."""
+    encoded = []
+
+    def fake_encode(out, dtype, rank, ptr, dims, strides, box, elem_strides, *flags):
+        encoded.append((ptr.value, tuple(dims), tuple(strides), tuple(box)))
+        return 0
+
+    monkeypatch.setattr(tensor_maps, "_encoder", lambda: fake_encode)
+    monkeypatch.setattr(tensor_maps, "make_context_current", lambda: 0)
+    monkeypatch.setattr(tensor_maps, "_layouts", type(tensor_maps._layouts)())
+    a, b = (torch.empty(1, 2, 64, 128, dtype=torch.float16) for _ in range(2))
+    layout = tensor_maps.map_layout(a, 64)
+    assert tensor_maps.map_layout(b, 64) is layout  # same shape, strides, dtype and box height
+    first = layout.at(a.data_ptr())
+    assert layout.at(a.data_ptr()) is first and tile_map(a, 64) is first
+    layout.at(b.data_ptr())
+    dims, strides, box = encode_args(a, 64)
+    assert encoded == [(a.data_ptr(), dims, strides, box), (b.data_ptr(), dims, strides, box)]
+    with pytest.raises(TensorMapError, match="16-byte aligned"):
+        layout.at(a.data_ptr() + 8)

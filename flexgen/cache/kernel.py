@@ -90,21 +90,22 @@ class CompiledKernel:
     def launch(self, grid, block, shared_mem: int, stream_ptr: int, params) -> None:
         """Launch on the current device. `params` is the kernel's params struct as a ctypes
         Structure (or bytes), passed by value as the kernel's single argument."""
-        cuda = _cupy_cuda()
-        driver, runtime = cuda.driver, cuda.runtime
-
-        index = make_context_current()
-        fn = self.function(index)
-        if shared_mem > MAX_STATIC_SHARED and self._smem_opt_in.get(index, 0) < shared_mem:
-            driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
-            self._smem_opt_in[index] = int(shared_mem)
         if isinstance(params, (bytes, bytearray)):
             params = ctypes.create_string_buffer(bytes(params), len(params))
+        self.launch_dim3(_dim3(grid), _dim3(block), int(shared_mem), int(stream_ptr), params)
+
+    def launch_dim3(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream_ptr: int,
+                    params: ctypes.Structure) -> None:
+        """launch, for a planned call: grid and block as three ints each, params a ctypes Structure."""
+        cuda = _cupy_cuda()
+        driver = cuda.driver
+        index = make_context_current()
+        fn = self._functions.get(index) or self.function(index)
+        if shared_mem > MAX_STATIC_SHARED and self._smem_opt_in.get(index, 0) < shared_mem:
+            driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            self._smem_opt_in[index] = shared_mem
         arg_ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # kernelParams: one pointer, to the struct
-        gx, gy, gz = _dim3(grid)
-        bx, by, bz = _dim3(block)
-        driver.launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, int(shared_mem), int(stream_ptr),
-                            ctypes.addressof(arg_ptrs), 0)
+        driver.launchKernel(fn.ptr, *grid, *block, shared_mem, stream_ptr, ctypes.addressof(arg_ptrs), 0)
 
 
 def make_context_current() -> int:

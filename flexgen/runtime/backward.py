@@ -37,12 +37,13 @@ import torch
 from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments, rows_aligned
-from .call_checks import empty_like_layout
-from .forward import LOG2E, bh_strides, set_dropout
+from .call_checks import dim_order, empty_like_layout
+from ..dropout import dropout_threshold
+from .forward import LOG2E, bh_strides
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .schedule import sm_count
-from .tensor_maps import tile_map
+from .tensor_maps import map_layout, tile_map
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
     """Deterministic mode: KV-tile CTAs per (batch, KV head), about two waves of the GPU."""
@@ -140,145 +141,246 @@ def backward_call(query, key, value, out, lse, grad_out, score, bm, mask, scale:
     from ..dropout import check_dropout
 
     dropout_p, philox = check_dropout(dropout_p, philox)
-    with torch.cuda.device(query.device):  # kernels launch on the current device
-        return _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options,
-                         needs_input_grad, tuple(grad_buffers), dropout_p, philox, grad_lse)
-
-
-def _backward(query, key, value, out, lse, grad_out, score, bm, mask, scale, kernel_options, needs_input_grad,
-              grad_buffers, dropout_p, philox, grad_lse):
-    from ..cache.jit import get_kernel
-    from ..codegen.cstruct import pack_mod_args
-    from ..codegen.lower import lower_mods
-
     want_dq, want_dk, want_dv = (bool(x) for x in needs_input_grad)
-    q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
-    o, do = kernel_ready(out), kernel_ready(grad_out.to(query.dtype))
-    lse = lse if lse.is_contiguous() and lse.data_ptr() % 16 == 0 else lse.clone(memory_format=torch.contiguous_format)
-    batch, heads, q_len, d = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    device = q.device
-    if q.numel() == 0:  # a batch or head count of 0: empty gradients, nothing to launch
-        grads = [empty_like_layout(t, t.shape, q.dtype) if want else None
+    if query.numel() == 0:  # a batch or head count of 0: empty gradients, nothing to launch
+        grads = [empty_like_layout(t, t.shape, query.dtype) if want else None
                  for t, want in ((query, want_dq), (key, want_dk), (value, want_dv))]
-        return (*grads, {name: torch.zeros(score.buffers[name].shape, dtype=torch.float32, device=device)
+        return (*grads, {name: torch.zeros(score.buffers[name].shape, dtype=torch.float32, device=query.device)
                          for name in grad_buffers})
-    stream = torch.cuda.current_stream(device).cuda_stream
+    launch = prepare_backward(query, key, value, out, grad_out, score, bm, mask, scale, kernel_options,
+                              needs_input_grad, tuple(grad_buffers), dropout_p)
+    return launch.run(query, key, value, out, lse, grad_out, grad_lse, philox)
 
-    if bm is not None:
-        bm = _int32_lists(bm)
-    spec = make_spec("bwd", query, score, mask, kernel_options, dropout=dropout_p > 0, grad_buffers=grad_buffers,
-                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
-    deterministic = spec.deterministic
-    pre_spec = make_spec("bwd_preprocess", query, None, None, None)
-    post_spec = make_spec("bwd_postprocess", query, None, None, None)
 
-    num_kv_tiles = -(-kv_len // spec.block_n)
-    splits = _num_splits(num_kv_tiles, batch, kv_heads, device) if deterministic else 1
-    buffers, params = mod_arguments(score, mask, device)
-    grad_floats = sum(buffers[name].numel() for name in grad_buffers)
-    grad_copies = 0  # deterministic mode: per-warp copies of the buffer gradients (see the module docstring)
-    if deterministic and grad_buffers:
-        copies_per_split = batch * kv_heads * spec.num_warps
-        splits = deterministic_grad_splits(splits, copies_per_split, grad_floats, grad_buffers)
-        grad_copies = copies_per_split * splits
+def prepare_backward(query, key, value, out, grad_out, score, bm, mask, scale: float, kernel_options,
+                     needs_input_grad, grad_buffers: tuple[str, ...] = (), dropout_p: float = 0.0) -> "BackwardLaunch":
+    """The BackwardLaunch of non-empty inputs of these layouts (and of this output and output gradient's)."""
+    with torch.cuda.device(query.device):  # (kernels load on the current device)
+        return BackwardLaunch(query, key, value, out, grad_out, score, bm, mask, scale, kernel_options,
+                              needs_input_grad, grad_buffers, dropout_p)
 
-    delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=device)
-    dq_accum = torch.empty(splits, batch, heads, q_len, d, dtype=torch.float32, device=device) if want_dq else None
-    split_stride = batch * heads * q_len * d if splits > 1 else 0
-    # Gradients in their input's dimension order, as PyTorch's (the kernels take their strides).
-    dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), q.dtype) if want_dk else None
-    dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), q.dtype) if want_dv else None
 
-    # 1. delta, and a zeroed dQ accumulator
-    pre_kernel = get_kernel(pre_spec)
-    empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
-    pre = BWD_PRE_PARAMS.ctypes_type(type(empty_args))()
-    pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
-    pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
-    pre.o_stride_b, pre.o_stride_h, pre.o_stride_l = o.stride(0), o.stride(1), o.stride(2)
-    pre.do_stride_b, pre.do_stride_h, pre.do_stride_l = do.stride(0), do.stride(1), do.stride(2)
-    pre.dq_split_stride = split_stride
-    pre.q_len, pre.num_heads, pre.num_splits = q_len, heads, splits
-    pre.mod = empty_args
-    rows_grid = (-(-q_len // pre_spec.block_m), heads, batch)
-    pre_kernel.launch(rows_grid, (families.of(pre_spec).threads_per_cta(pre_spec), 1, 1), 0, stream, pre)
-    if grad_lse is not None:
-        fold_lse_grad(delta, lse, grad_lse)
+class BackwardLaunch:
+    """The three backward kernels planned for one layout of inputs, output and output gradient, one block mask,
+    one set of mod arguments and the gradients wanted: specs, kernels, grids and parameter structs filled but
+    for the addresses. `run` allocates the gradients and scratch, fills the addresses and launches; a planned
+    eager call (flexgen/eager_plans.py) keeps one per layout of the output gradient. It holds the tensors whose
+    addresses its structs carry (the mask's lists, the buffers, the work order), not the mask or the mods."""
 
-    # 2. the main kernel
-    grad_parts = None
-    if grad_copies:  # ModArgs points at copy 0; each warp adds its copy's offset
-        grad_parts = torch.zeros(grad_copies, grad_floats, dtype=torch.float32, device=device)
-        buffer_grads = dict(zip(grad_buffers, _buffer_views(grad_parts[0], grad_buffers, buffers)))
-    else:
-        buffer_grads = {name: torch.zeros(buffers[name].shape, dtype=torch.float32, device=device) for name in grad_buffers}
-    mod_args = pack_mod_args(lower_mods(spec), buffers, params, buffer_grads)
-    kernel = get_kernel(spec)
-    family = families.of(spec)
-    p = BWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, tensor_maps=family.tensor_maps)()
-    if family.tensor_maps:
-        p.q_map, p.do_map = tile_map(q, spec.block_m), tile_map(do, spec.block_m)
-        p.k_map, p.v_map = tile_map(k, spec.block_n), tile_map(v, spec.block_n)
-        if dq_accum is not None and not deterministic:  # dQ added by TMA reductions (deterministic: ordered adds)
-            p.dq_map = tile_map(dq_accum[0], DQ_BOX_ROWS)
-        if not deterministic:  # dK and dV stored by TMA (deterministic: plain stores)
+    def __init__(self, query, key, value, out, grad_out, score, bm, mask, scale: float, kernel_options,
+                 needs_input_grad, grad_buffers: tuple[str, ...], dropout_p: float):
+        from ..cache.jit import get_kernel
+        from ..codegen.cstruct import pack_mod_args, struct_class
+        from ..codegen.lower import lower_mods
+
+        self.want = want_dq, want_dk, want_dv = tuple(bool(x) for x in needs_input_grad)
+        batch, heads, q_len, d = query.shape
+        kv_heads, kv_len = key.shape[1], key.shape[2]
+        self.device, self.dtype, self.grad_buffers = query.device, query.dtype, grad_buffers
+        # The layouts the kernels read: kernel_ready's copies (of the layout alone: meta tensors).
+        self.copies = tuple(not rows_aligned(t) for t in (query, key, value, out))
+        q, k, v, o = (_meta_copy(t) if copy else t for t, copy in zip((query, key, value, out), self.copies))
+
+        if bm is not None:
+            bm = _int32_lists(bm)
+        spec = make_spec("bwd", query, score, mask, kernel_options, dropout=dropout_p > 0, grad_buffers=grad_buffers,
+                         mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
+        self.spec, deterministic = spec, spec.deterministic
+        pre_spec = make_spec("bwd_preprocess", query, None, None, None)
+        post_spec = make_spec("bwd_postprocess", query, None, None, None)
+
+        num_kv_tiles = -(-kv_len // spec.block_n)
+        splits = _num_splits(num_kv_tiles, batch, kv_heads, self.device) if deterministic else 1
+        self.buffers, params = mod_arguments(score, mask, self.device)
+        self.grad_floats = sum(self.buffers[name].numel() for name in grad_buffers)
+        self.grad_copies = 0  # deterministic mode: per-warp copies of the buffer gradients (see the module docstring)
+        if deterministic and grad_buffers:
+            copies_per_split = batch * kv_heads * spec.num_warps
+            splits = deterministic_grad_splits(splits, copies_per_split, self.grad_floats, grad_buffers)
+            self.grad_copies = copies_per_split * splits
+        self.splits = splits
+        split_stride = batch * heads * q_len * d if splits > 1 else 0
+        lowered = lower_mods(spec)
+        # ModArgs: packed here without gradients; with them, per run (they are allocated per run)
+        self._pack = lambda grads: pack_mod_args(lowered, self.buffers, params, grads)
+
+        # 1. delta, and a zeroed dQ accumulator
+        self.pre_kernel = get_kernel(pre_spec)
+        empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
+        pre = self.pre = BWD_PRE_PARAMS.ctypes_type(type(empty_args))()
+        pre.o_stride_b, pre.o_stride_h, pre.o_stride_l = o.stride()[:3]
+        pre.dq_split_stride = split_stride
+        pre.q_len, pre.num_heads, pre.num_splits = q_len, heads, splits
+        pre.mod = empty_args
+        self.rows_grid = _dim3((-(-q_len // pre_spec.block_m), heads, batch))
+        self.pre_threads = _dim3(families.of(pre_spec).threads_per_cta(pre_spec))
+
+        # 2. the main kernel
+        self.kernel = get_kernel(spec)
+        family = self.family = families.of(spec)
+        p = self.main = BWD_PARAMS.ctypes_type(struct_class(lowered.fields), spec.dropout,
+                                               tensor_maps=family.tensor_maps)()
+        # Gradients in their input's dimension order, as PyTorch's; where the copy engine stores them (sm90, not
+        # deterministic) and cannot store into that layout, into a contiguous stand-in, copied after the kernel.
+        tma_gradients = family.tensor_maps and not deterministic
+        dk, dv = (_meta_layout(t, (batch, kv_heads, kv_len, d), query.dtype) for t in (key, value))
+        self.stand_ins = (tma_gradients and want_dk and not rows_aligned(dk),
+                          tma_gradients and want_dv and not rows_aligned(dv))
+        dk, dv = (_meta_copy(t) if stand_in else t for t, stand_in in zip((dk, dv), self.stand_ins))
+        p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride()[:3]
+        p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride()[:3]
+        p.v_stride_b, p.v_stride_h, p.v_stride_l = v.stride()[:3]
+        if want_dk:
+            p.dk_stride_b, p.dk_stride_h, p.dk_stride_l = dk.stride()[:3]
+        if want_dv:
+            p.dv_stride_b, p.dv_stride_h, p.dv_stride_l = dv.stride()[:3]
+        p.dq_split_stride = split_stride
+        p.grad_slot_stride = self.grad_floats if self.grad_copies else 0
+        p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
+        p.scale, p.scale_log2 = scale, scale * LOG2E
+        mask_lists = ()
+        if bm is not None:
+            _set_mask(p, bm, batch, heads)
+            mask_lists = (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+        p.num_kv_tiles = num_kv_tiles
+        if spec.dropout:
+            p.dropout_p, p.dropout_threshold, p.dropout_scale = (dropout_p, dropout_threshold(dropout_p),
+                                                                 1.0 / (1.0 - dropout_p))
+        if not grad_buffers:
+            p.mod = self._pack({})
+        p.batch, p.kv_heads = batch, kv_heads
+        grid, schedule = family.backward_grid(spec, p, query, key, num_kv_tiles, splits, bm)
+        self.grid, self.threads = _dim3(grid), _dim3(family.threads_per_cta(spec))
+        self.do_rows = spec.block_m
+        self.shared_memory = int(shared_memory_bytes(self.kernel))
+        self._keep = (mask_lists, self.buffers, schedule, p.mod if not grad_buffers else None)
+        self.maps = None
+        if family.tensor_maps:
+            dq_accum = _meta_layout(None, (splits, batch, heads, q_len, d), torch.float32)[0]
+            self.maps = (map_layout(q, spec.block_m), map_layout(k, spec.block_n), map_layout(v, spec.block_n),
+                         map_layout(dq_accum, DQ_BOX_ROWS) if want_dq and not deterministic else None,
+                         map_layout(dk, DKV_BOX_ROWS) if tma_gradients and want_dk else None,
+                         map_layout(dv, DKV_BOX_ROWS) if tma_gradients and want_dv else None)
+
+        # 3. dQ in the input dtype
+        if want_dq:
+            self.post_kernel = get_kernel(post_spec)
+            post = self.post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
+            post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = _meta_layout(query, query.shape).stride()[:3]
+            post.dq_split_stride = split_stride
+            post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
+            post.scale = scale
+            post.mod = empty_args
+            self.post_threads = _dim3(families.of(post_spec).threads_per_cta(post_spec))
+
+    def _buffer_grads(self) -> tuple[dict, torch.Tensor | None]:
+        """The zeroed tensors the kernel adds the buffers' gradients into, by name, and in deterministic mode the
+        per-warp copies they are views of."""
+        names, buffers = self.grad_buffers, self.buffers
+        if not names:
+            return {}, None
+        if self.grad_copies:  # ModArgs points at copy 0; each warp adds its copy's offset
+            parts = torch.zeros(self.grad_copies, self.grad_floats, dtype=torch.float32, device=self.device)
+            return dict(zip(names, _buffer_views(parts[0], names, buffers))), parts
+        return {n: torch.zeros(buffers[n].shape, dtype=torch.float32, device=self.device) for n in names}, None
+
+    def run(self, query, key, value, out, lse, grad_out, grad_lse=None, philox: tuple[int, int] | None = None):
+        """(dq, dk, dv, buffer_grads) for inputs of the planned layouts (the output gradient in any)."""
+        want_dq, want_dk, want_dv = self.want
+        q, k, v, o = query, key, value, out
+        if any(self.copies):
+            q, k, v, o = (kernel_ready(t) if copy else t for t, copy in zip((query, key, value, out), self.copies))
+        do = kernel_ready(grad_out.to(self.dtype))
+        if not (lse.is_contiguous() and lse.data_ptr() % 16 == 0):
+            lse = lse.clone(memory_format=torch.contiguous_format)
+        batch, heads, q_len, d = query.shape
+        kv_heads, kv_len = key.shape[1], key.shape[2]
+        device = self.device
+        with torch.cuda.device(device):  # kernels launch on the current device
+            stream = torch.cuda.current_stream(device).cuda_stream
+            delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=device)
+            dq_accum = _like(self.splits, batch, heads, q_len, d, torch.float32, device) if want_dq else None
+            dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None
+            dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None
+            do_strides = do.stride()[:3]
+
+            # 1. delta, and a zeroed dQ accumulator
+            pre = type(self.pre).from_buffer_copy(self.pre)
+            pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
+            pre.do_stride_b, pre.do_stride_h, pre.do_stride_l = do_strides
+            pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+            self.pre_kernel.launch_dim3(self.rows_grid, self.pre_threads, 0, stream, pre)
+            if grad_lse is not None:
+                fold_lse_grad(delta, lse, grad_lse)
+
+            # 2. the main kernel
+            p = type(self.main).from_buffer_copy(self.main)
+            buffer_grads, grad_parts = self._buffer_grads()
+            if self.grad_buffers:
+                p.mod = self._pack(buffer_grads)  # (buffer_grads holds the tensors until the launch)
             dk_out, dv_out = dk, dv
-            dk, dv = _tma_storable(dk), _tma_storable(dv)
-            if dk is not None:
-                p.dk_map = tile_map(dk, DKV_BOX_ROWS)
-            if dv is not None:
-                p.dv_map = tile_map(dv, DKV_BOX_ROWS)
-    p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
-    p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
-    p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
-    p.dk = dk.data_ptr() if dk is not None else None
-    p.dv = dv.data_ptr() if dv is not None else None
-    p.q_stride_b, p.q_stride_h, p.q_stride_l = q.stride(0), q.stride(1), q.stride(2)
-    p.k_stride_b, p.k_stride_h, p.k_stride_l = k.stride(0), k.stride(1), k.stride(2)
-    p.v_stride_b, p.v_stride_h, p.v_stride_l = v.stride(0), v.stride(1), v.stride(2)
-    p.do_stride_b, p.do_stride_h, p.do_stride_l = do.stride(0), do.stride(1), do.stride(2)
-    if dk is not None:
-        p.dk_stride_b, p.dk_stride_h, p.dk_stride_l = dk.stride(0), dk.stride(1), dk.stride(2)
-    if dv is not None:
-        p.dv_stride_b, p.dv_stride_h, p.dv_stride_l = dv.stride(0), dv.stride(1), dv.stride(2)
-    p.dq_split_stride = split_stride
-    p.grad_slot_stride = grad_floats if grad_copies else 0
-    p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
-    p.scale, p.scale_log2 = scale, scale * LOG2E
-    if bm is not None:
-        _set_mask(p, bm, batch, heads)
-    p.num_kv_tiles = num_kv_tiles
-    if spec.dropout:
-        set_dropout(p, dropout_p, philox)
-    p.mod = mod_args
-    p.batch, p.kv_heads = batch, kv_heads
-    grid = family.backward_grid(spec, p, q, k, num_kv_tiles, splits, bm)
-    kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream, p)
-    if family.tensor_maps and not deterministic:  # gradients in their input's layout where that was not storable
-        dk = _copied_into(dk_out, dk)
-        dv = _copied_into(dv_out, dv)
-    if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
-        total = _ordered_sum(grad_parts)
-        buffer_grads = {name: g.clone() for name, g in zip(grad_buffers, _buffer_views(total, grad_buffers, buffers))}
+            if self.stand_ins[0]:
+                dk = torch.empty(dk.shape, dtype=dk.dtype, device=device)
+            if self.stand_ins[1]:
+                dv = torch.empty(dv.shape, dtype=dv.dtype, device=device)
+            p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
+            p.do_stride_b, p.do_stride_h, p.do_stride_l = do_strides
+            p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
+            p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+            p.dk = dk.data_ptr() if dk is not None else None
+            p.dv = dv.data_ptr() if dv is not None else None
+            if self.maps is not None:
+                q_map, k_map, v_map, dq_map, dk_map, dv_map = self.maps
+                p.q_map, p.k_map, p.v_map = q_map.at(p.q), k_map.at(p.k), v_map.at(p.v)
+                p.do_map = tile_map(do, self.do_rows)
+                if dq_map is not None:  # dQ added by TMA reductions
+                    p.dq_map = dq_map.at(p.dq_accum)
+                if dk_map is not None:  # dK and dV stored by TMA
+                    p.dk_map = dk_map.at(p.dk)
+                if dv_map is not None:
+                    p.dv_map = dv_map.at(p.dv)
+            if philox is not None:
+                p.philox_seed, p.philox_offset = philox
+            self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream, p)
+            dk, dv = _copied_into(dk_out, dk), _copied_into(dv_out, dv)
+            if grad_parts is not None:  # the copies summed in a fixed order; gradients that own their memory
+                total = _ordered_sum(grad_parts)
+                buffer_grads = {name: g.clone() for name, g in
+                                zip(self.grad_buffers, _buffer_views(total, self.grad_buffers, self.buffers))}
 
-    # 3. dQ in the input dtype
-    dq = None
-    if want_dq:
-        dq = empty_like_layout(query, (batch, heads, q_len, d))
-        post_kernel = get_kernel(post_spec)
-        post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
-        post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
-        post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = dq.stride(0), dq.stride(1), dq.stride(2)
-        post.dq_split_stride = split_stride
-        post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
-        post.scale = scale
-        post.mod = empty_args
-        post_kernel.launch(rows_grid, (families.of(post_spec).threads_per_cta(post_spec), 1, 1), 0, stream, post)
-    # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
-    # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
-    del delta, dq_accum, grad_parts
-    return dq, dk, dv, buffer_grads
+            # 3. dQ in the input dtype
+            dq = None
+            if want_dq:
+                dq = empty_like_layout(query, (batch, heads, q_len, d))
+                post = type(self.post).from_buffer_copy(self.post)
+                post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
+                self.post_kernel.launch_dim3(self.rows_grid, self.post_threads, 0, stream, post)
+        # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
+        # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
+        del delta, dq_accum, grad_parts
+        return dq, dk, dv, buffer_grads
+
+
+def _like(splits: int, batch: int, heads: int, q_len: int, d: int, dtype, device) -> torch.Tensor:
+    """The dQ accumulator: one (B, H, L, D) fp32 partial per split."""
+    return torch.empty(splits, batch, heads, q_len, d, dtype=dtype, device=device)
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    """The layout of kernel_ready's (or a stand-in's) copy of t: contiguous, on the meta device."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _meta_layout(like: torch.Tensor | None, shape, dtype=None) -> torch.Tensor:
+    """empty_like_layout(like, shape, dtype) on the meta device (contiguous without `like`): its strides alone."""
+    if like is None or like.is_contiguous():
+        return torch.empty(shape, dtype=dtype or (like.dtype if like is not None else None), device="meta")
+    return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device="meta")
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(d)
+    return tuple(int(x) for x in (*d, 1, 1)[:3])
 
 
 def _tma_storable(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..arch import capability, shared_memory_limit
 from ..codegen.spec import HEAD_DIMS, KernelSpec
 from . import bwd_tiles
+from .schedule import head_chunk, kv_tile_turns, l2_bytes, query_tile_order, sm_count, tile_counter
 
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -82,15 +83,22 @@ class Family:
     def threads_per_cta(self, spec: KernelSpec) -> int:
         return 32 * spec.num_warps + self.producer_threads
 
-    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:
-        """The forward's grid, one CTA per query tile; fills the FwdParams fields the family's schedule reads."""
+    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask) -> tuple[tuple, tuple]:
+        """The forward's grid, one CTA per query tile, and the tensors whose addresses it wrote into p (the
+        caller keeps them while p is used); fills the FwdParams fields the family's schedule reads, but for those
+        of the stream (stream_fields)."""
         batch, heads, q_len, _ = q.shape
-        return (-(-q_len // spec.block_m), heads, batch)
+        return (-(-q_len // spec.block_m), heads, batch), ()
 
-    def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int, block_mask=None) -> tuple:
+    def stream_fields(self, p, stream) -> None:
+        """Fills the FwdParams fields that depend on the stream the forward launches on."""
+
+    def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int,
+                      block_mask=None) -> tuple[tuple, tuple]:
         """The main backward kernel's grid: one CTA per KV tile, or `splits` per (batch, KV head) in
-        deterministic mode; fills the BwdParams fields the family's schedule reads."""
-        return (splits if spec.deterministic else num_kv_tiles, k.shape[1], k.shape[0])
+        deterministic mode, and the tensors whose addresses it wrote into p; fills the BwdParams fields the
+        family's schedule reads."""
+        return (splits if spec.deterministic else num_kv_tiles, k.shape[1], k.shape[0]), ()
 
 
 class SM80(Family):
@@ -266,35 +274,35 @@ class SM90(Family):
                 and not call.dropout and not call.buffer_grads)
         return self.BWD_WIDE if wide else self.BWD
 
-    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask, stream) -> tuple:
+    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask) -> tuple[tuple, tuple]:
         # One CTA per SM draws work tiles, heaviest first, from a counter (templates/sm90/work_order.cuh: the
         # grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
         # kernel_options={"persistent": False} launches one CTA per work tile.
-        from .schedule import head_chunk, l2_bytes, query_tile_order, sm_count, tile_counter
-
         batch, heads, q_len, d = q.shape
         work = -(-q_len // spec.block_m) * heads * batch
         order = None if block_mask is None else query_tile_order(block_mask, spec.block_m)
         if order is not None:  # (without it the kernel takes later query tiles first)
             p.m_order = order.data_ptr()
         p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device))
-        p.tile_counter = tile_counter(stream).data_ptr()
-        return (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
+        grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
+        return grid, (order,)
 
-    def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int, block_mask=None) -> tuple:
+    def stream_fields(self, p, stream) -> None:
+        p.tile_counter = tile_counter(stream).data_ptr()
+
+    def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int,
+                      block_mask=None) -> tuple[tuple, tuple]:
         if spec.deterministic or not spec.option("persistent", True):
             return super().backward_grid(spec, p, q, k, num_kv_tiles, splits, block_mask)
         # One CTA per SM walks the work tiles: the next tile's K and V copy behind this one's epilogue. Under a
         # block mask the tiles differ in cost, and each CTA's turns come from a balanced list (schedule.py).
-        from .schedule import kv_tile_turns, sm_count
-
         p.persistent = 1
         ctas = min(num_kv_tiles * k.shape[1] * k.shape[0], sm_count(k.device))
         turns = None if block_mask is None else kv_tile_turns(block_mask, spec.block_n, num_kv_tiles, k.shape[0],
                                                                q.shape[1], k.shape[1], ctas)
         if turns is not None:
             p.kv_turns = turns.data_ptr()
-        return (ctas, 1, 1)
+        return (ctas, 1, 1), (turns,)
 
 
 # In order of preference: a call gets the first family that does not refuse it.

@@ -18,20 +18,14 @@ from ..dropout import check_dropout, dropout_threshold
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
-from .call_checks import check_block_grid, empty_like_layout
+from .call_checks import check_block_grid, dim_order, empty_like_layout
 from .coarse_rows import coarse_rows
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
-from .tensor_maps import tile_map
+from .tensor_maps import map_layout
 
 LOG2E = 1.4426950408889634
 O_STORE_ROWS = 64  # the sm90 forward stores O by TMA, one box of 64 rows per consumer warpgroup
-
-
-def set_dropout(p, dropout_p: float, philox: tuple[int, int]) -> None:
-    """Fill the dropout members of a FwdParams / BwdParams instance (dropout_p > 0, validated)."""
-    p.philox_seed, p.philox_offset = philox
-    p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
 def bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int, int]:
@@ -43,25 +37,20 @@ def bh_strides(t: torch.Tensor | None, batch: int, heads: int) -> tuple[int, int
     return sb, sh, t.stride(2)
 
 
-def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale: float, block_mask,
-                   dropout_p: float = 0.0, philox: tuple[int, int] | None = None, max_scores=None) -> None:
-    """Run the forward kernel on torch's current stream. Inputs are validated by the caller;
-    dropout_p > 0 needs a spec built with dropout."""
+def forward_params(spec: KernelSpec, mod_args, q, k, v, out_strides: tuple[int, ...], scale: float, block_mask,
+                   dropout_p: float = 0.0):
+    """A FwdParams instance with every field but the tensors' addresses, the maps and the per-stream fields
+    (ForwardLaunch fills those per launch): a function of the tensors' shapes and strides, the mask, the mod
+    arguments and the scale."""
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     writes_max = bool(spec.option("max_scores", False))
     family = families.of(spec)
     p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max, family.tensor_maps)()
-    if family.tensor_maps:
-        p.q_map, p.k_map, p.v_map = tile_map(q, spec.block_m), tile_map(k, spec.block_n), tile_map(v, spec.block_n)
-        p.o_map = tile_map(out, O_STORE_ROWS)
-    if writes_max:
-        p.max_scores = max_scores.data_ptr()
-    p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     p.q_stride_b, p.q_stride_h, p.q_stride_l, _ = q.stride()
     p.k_stride_b, p.k_stride_h, p.k_stride_l, _ = k.stride()
     p.v_stride_b, p.v_stride_h, p.v_stride_l, _ = v.stride()
-    p.o_stride_b, p.o_stride_h, p.o_stride_l, _ = out.stride()
+    p.o_stride_b, p.o_stride_h, p.o_stride_l, _ = out_strides
     p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
     p.scale, p.scale_log2 = scale, scale * LOG2E
     if block_mask is not None:
@@ -76,12 +65,92 @@ def launch_forward(kernel, spec: KernelSpec, mod_args, q, k, v, out, lse, scale:
             p.fkvn_stride_b, p.fkvn_stride_h, p.fkvn_stride_q = bh_strides(block_mask.full_kv_num_blocks, batch, heads)
             p.fkvi_stride_b, p.fkvi_stride_h, p.fkvi_stride_q = bh_strides(block_mask.full_kv_indices, batch, heads)
     if spec.dropout:
-        set_dropout(p, dropout_p, philox)
+        p.dropout_p, p.dropout_threshold, p.dropout_scale = (dropout_p, dropout_threshold(dropout_p),
+                                                             1.0 / (1.0 - dropout_p))
     p.mod = mod_args
     p.batch = batch
-    stream = torch.cuda.current_stream(q.device)
-    grid = family.forward_grid(spec, p, q, k, block_mask, stream)
-    kernel.launch(grid, (family.threads_per_cta(spec), 1, 1), shared_memory_bytes(kernel), stream.cuda_stream, p)
+    return p
+
+
+class ForwardLaunch:
+    """The forward kernel planned for one layout of inputs (shapes, strides, dtype, device), one block mask and
+    one set of mod arguments: the kernel, its grid and a parameter struct filled but for the addresses. `run`
+    allocates the outputs, fills the addresses (and the maps, per address) and launches, so that a model's
+    repeated calls pay neither the planning nor the struct's fill. It holds the tensors whose addresses its
+    struct carries (the mask's lists, the buffers, the work order), not the mask or the mods themselves."""
+
+    def __init__(self, kernel, spec: KernelSpec, params, grid: tuple, copies: tuple[bool, bool, bool], keep: tuple):
+        self.kernel, self.spec, self.family = kernel, spec, families.of(spec)
+        self.params, self.copies, self._keep = params, copies, keep
+        self.grid = tuple(int(x) for x in (*grid, 1, 1)[:3])
+        self.threads = (int(self.family.threads_per_cta(spec)), 1, 1)
+        self.shared_memory = int(shared_memory_bytes(kernel))
+        self.writes_max = bool(spec.option("max_scores", False))
+        self._maps: tuple | None = None  # (q, k, v, o) MapLayouts, made at the first run
+
+    def run(self, query, key, value, philox: tuple[int, int] | None = None):
+        """(out, lse) of these inputs, of the layout the launch was planned for; (out, lse, max_scores) where the
+        kernel writes max_scores; philox (seed, offset) where it was planned with dropout."""
+        q, k, v = query, key, value
+        if self.copies != (False, False, False):
+            q, k, v = (kernel_ready(t) if copy else t for t, copy in zip((query, key, value), self.copies))
+        b, h, lq, d = query.shape
+        out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
+        lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+        p = type(self.params).from_buffer_copy(self.params)
+        p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if self.family.tensor_maps:
+            maps = self._maps
+            if maps is None:
+                maps = self._maps = (map_layout(q, self.spec.block_m), map_layout(k, self.spec.block_n),
+                                     map_layout(v, self.spec.block_n), map_layout(out, O_STORE_ROWS))
+            p.q_map, p.k_map, p.v_map, p.o_map = (maps[0].at(p.q), maps[1].at(p.k), maps[2].at(p.v), maps[3].at(p.o))
+        if philox is not None:
+            p.philox_seed, p.philox_offset = philox
+        row_max = None
+        if self.writes_max:
+            row_max = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+            p.max_scores = row_max.data_ptr()
+        stream = torch.cuda.current_stream(query.device)
+        self.family.stream_fields(p, stream)
+        self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream.cuda_stream, p)
+        return (out, lse) if row_max is None else (out, lse, row_max)
+
+
+def prepare_forward(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float,
+                    kernel_options, dropout_p: float = 0.0, max_scores: bool = False) -> ForwardLaunch:
+    """The ForwardLaunch of validated, non-empty inputs with this mask, these mods and options."""
+    spec, bm = _planned(query, key, score, bm, mask, kernel_options, dropout_p, max_scores)
+    return _launch_for(spec, bm, query, key, value, score, mask, scale, dropout_p)
+
+
+def _planned(query, key, score, bm, mask, kernel_options, dropout_p: float, max_scores: bool):
+    """The spec, and the block mask its kernel walks (checked against the inputs and the tile)."""
+    spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
+                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores,
+                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod)
+    return spec, (kernel_block_mask(bm, query, key, spec) if bm is not None else None)
+
+
+def _launch_for(spec: KernelSpec, bm, query, key, value, score, mask, scale: float, dropout_p: float) -> ForwardLaunch:
+    kernel = get_kernel(spec)
+    buffers, params = mod_arguments(score, mask, query.device)
+    mod_args = pack_mod_args(lower_mods(spec), buffers, params)
+    q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
+    p = forward_params(spec, mod_args, q, k, v, _output_strides(query), scale, bm, dropout_p)
+    grid, schedule = families.of(spec).forward_grid(spec, p, q, k, bm)
+    copies = tuple(t is not r for t, r in ((query, q), (key, k), (value, v)))
+    mask_lists = () if bm is None else tuple(getattr(bm, f) for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                                                                         "full_kv_indices"))
+    return ForwardLaunch(kernel, spec, p, grid, copies, (mask_lists, buffers, mod_args, schedule))
+
+
+def _output_strides(query) -> tuple[int, ...]:
+    """The strides of the output ForwardLaunch.run allocates (empty_like_layout: the query's dimension order)."""
+    b, h, lq, d = query.shape
+    if query.is_contiguous():
+        return (h * lq * d, lq * d, d, 1)
+    return torch.empty_permuted((b, h, lq, d), dim_order(query), device="meta").stride()
 
 
 def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
@@ -114,23 +183,10 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
     dropout_p > 0: attention dropout with the keep mask drawn from philox = (seed, offset)
     (flexgen/dropout.py); lse stays that of the un-dropped softmax."""
     dropout_p, philox = check_dropout(dropout_p, philox)
-    spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
-                     mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores,
-                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod)
-    if bm is not None:
-        bm = kernel_block_mask(bm, query, key, spec)
-    b, h, lq, d = query.shape
-    out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
-    lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
-    if out.numel() == 0:  # a batch or head count of 0: nothing to compile or launch (a tensor map of an empty tensor is invalid)
+    spec, bm = _planned(query, key, score, bm, mask, kernel_options, dropout_p, max_scores)
+    if query.numel() == 0:  # a batch or head count of 0: nothing to compile or launch (a tensor map of an empty tensor is invalid)
+        b, h, lq, d = query.shape
+        out = empty_like_layout(query, (b, h, lq, d))
+        lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
         return (out, lse) if not max_scores else (out, lse, torch.empty_like(lse))
-    kernel = get_kernel(spec)
-    buffers, params = mod_arguments(score, mask, query.device)
-    mod_args = pack_mod_args(lower_mods(spec), buffers, params)
-    q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
-    if not max_scores:
-        launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox)
-        return out, lse
-    row_max = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-    launch_forward(kernel, spec, mod_args, q, k, v, out, lse, scale, bm, dropout_p, philox, row_max)
-    return out, lse, row_max
+    return _launch_for(spec, bm, query, key, value, score, mask, scale, dropout_p).run(query, key, value, philox)

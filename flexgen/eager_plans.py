@@ -1,0 +1,161 @@
+"""Planned eager calls: flex_attention's checks, tracing and planning done once per kind of call.
+
+A model calls flex_attention with the same mask, mods, options and input layouts at every layer and every step.
+The first such call takes the whole path (the input checks, tracing the mods, adopting the mask, the kernel's
+spec and its parameter struct: runtime/forward.ForwardLaunch) and leaves a plan here. A later call whose
+`signature` matches (what those steps read: the mods and the mask by identity and what their closures hold, the
+mask's tensors and their in-place versions, the scalars, the options, the inputs' shapes, strides, dtypes,
+devices, alignment and whether they need gradients, the grad mode) runs the plan: two allocations, the addresses
+and one launch.
+
+Plans are made for eager calls on plain CUDA tensors without dropout (ops.eager_route_ok) and hold their mods and
+mask weakly: a plan goes when its mask or score_mod is freed, and the least recently used past MAX_PLANS.
+"""
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from .variant import _closure_key
+
+MAX_PLANS = 64
+_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+_plans: "OrderedDict[tuple, EagerPlan]" = OrderedDict()
+_lock = threading.Lock()
+
+
+def _layout(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16
+
+
+def _callable_identity(fn) -> tuple:
+    """What a score_mod / mask_mod is, for the key: the function and what its closure holds now (a rebound closure
+    variable is another variant, as variant._trace has it). A bound method is made anew at each attribute access:
+    its function and owner instead."""
+    if isinstance(fn, types.MethodType):
+        return id(fn.__func__), id(fn.__self__), _closure_key(fn.__func__)
+    return id(fn), _closure_key(fn)
+
+
+def _mask_state(block_mask) -> tuple:
+    """The mask's list tensors by identity and in-place version (a mask updated in place, as paged attention
+    does, is planned again)."""
+    if block_mask is None:
+        return ()
+    kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    state = (id(kv_num), kv_num._version, id(kv_idx), kv_idx._version)
+    if full_num is None:
+        return state
+    return state + (id(full_num), full_num._version, id(full_idx), full_idx._version)
+
+
+def signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, dropout_p,
+              return_aux) -> tuple | None:
+    """The key of a call that a plan may serve; None for a call that always takes the whole path (tensor
+    subclasses, dropout, a negative scale, a mask or options of unexpected types, a nested tensor)."""
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None
+    if dropout_p or (scale is not None and not (type(scale) in (float, int) and scale >= 0)):
+        return None  # (a negative scale moves its sign onto the query, a copy per call)
+    try:
+        options = ()
+        if kernel_options:
+            options = tuple(sorted(kernel_options.items()))
+            hash(options)
+        mask_mod = getattr(block_mask, "mask_mod", None)
+        return (_callable_identity(score_mod), id(block_mask), _callable_identity(mask_mod), _mask_state(block_mask),
+                scale, enable_gqa, return_lse, return_aux, options, torch.is_grad_enabled(),
+                _layout(query), _layout(key), _layout(value))
+    except (TypeError, RuntimeError, AttributeError):  # options that do not sort, a nested tensor's strides, ...
+        return None
+
+
+def find(sig: tuple, score_mod, block_mask) -> "EagerPlan | None":
+    """The plan made for `sig`, if its mods and mask are these very objects and its buffers unchanged."""
+    plan = _plans.get(sig)
+    if plan is None or not plan.serves(score_mod, block_mask):
+        return None
+    return plan
+
+
+def keep(sig: tuple, plan: "EagerPlan", score_mod, block_mask) -> None:
+    """Keep `plan` for `sig` while `score_mod` and `block_mask` live (weakly: a plan never keeps them alive)."""
+    try:
+        plan.refs = tuple(weakref.ref(_owner(x), lambda _, s=sig: _drop(s)) for x in (score_mod, block_mask)
+                          if x is not None)
+    except TypeError:  # an object without weak references: no plan
+        return
+    with _lock:
+        _plans[sig] = plan
+        _plans.move_to_end(sig)
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+
+
+def clear() -> None:
+    with _lock:
+        _plans.clear()
+
+
+def _drop(sig: tuple) -> None:
+    with _lock:
+        _plans.pop(sig, None)
+
+
+def _owner(fn):
+    """What a plan's weak reference follows: a bound method's owner (the method itself is made per access)."""
+    return fn.__self__ if isinstance(fn, types.MethodType) else fn
+
+
+class EagerPlan:
+    """One planned kind of call: its forward launch, the arguments of its autograd node and how to return."""
+
+    def __init__(self, launch, call: tuple, buffers: tuple, records_grad: bool, returns: tuple, route_ok):
+        self.launch, self.call, self.buffers = launch, call, buffers
+        self.route_ok = route_ok  # ops.eager_route_ok: whether the call may bypass the ops, checked per call
+        self.buffer_state = _buffer_state(buffers)
+        self.records_grad = records_grad
+        self.return_lse, self.return_aux, self.want_max = returns
+        self.refs: tuple = ()
+
+    def serves(self, score_mod, block_mask) -> bool:
+        """Whether the signature's ids still name the objects the plan was made for (an id is reused once its
+        object is freed), and its buffers are where they were."""
+        refs = self.refs
+        if len(refs) != (score_mod is not None) + (block_mask is not None):
+            return False
+        if score_mod is not None and refs[0]() is not _owner(score_mod):
+            return False
+        if block_mask is not None and refs[-1]() is not block_mask:
+            return False
+        return not self.buffers or _buffer_state(self.buffers) == self.buffer_state
+
+    def run(self, query, key, value, aux_output):
+        """flex_attention's result for these inputs (of the planned layouts)."""
+        if key.shape[0] != query.shape[0]:  # a key / value batch of 1 shared across the query's (checked)
+            b = query.shape[0]
+            key, value = key.expand(b, *key.shape[1:]), value.expand(b, *value.shape[1:])
+        if self.records_grad:
+            from .ops import _EagerAttention
+
+            out, lse, row_max = _EagerAttention.apply(self.call, query, key, value, *self.buffers)
+        else:
+            out, lse, *rest = self.launch.run(query, key, value)
+            row_max = rest[0] if rest else None
+        if self.return_aux is not None:
+            return out, aux_output(lse=lse if self.return_aux.lse else None,
+                                   max_scores=row_max if self.want_max else None)
+        return (out, lse) if self.return_lse else out
+
+
+def _buffer_state(buffers) -> tuple:
+    """Where each buffer lives and whether it needs a gradient: a buffer moved (`.data = ...`) or switched to
+    requires_grad is planned again."""
+    return tuple((t.data_ptr(), t.requires_grad) for t in buffers)

@@ -1,0 +1,183 @@
+"""Planned eager calls (flexgen/eager_plans.py), on the CPU with the kernels swapped for the float64 reference
+(tests/reference_launches.py): a call with a known signature runs its plan, and everything that changes what the
+whole path would compute makes a new plan instead. tests/test_gpu_eager_plans.py runs the same through the kernels."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import eager_plans, ops
+from reference_launches import reference_backward, reference_forward, reference_launches
+
+B, H, L, D = 1, 2, 128, 64
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """CPU tensors take the eager route, whose launches run the reference; the list of launches planned."""
+    from flexgen import attention
+    from flexgen.runtime import backward, forward
+
+    monkeypatch.setattr(ops, "eager_route_ok", lambda *a: True)
+    monkeypatch.setattr(attention, "unfused_reason", lambda *a: None)
+    monkeypatch.setattr(forward, "forward_call", reference_forward)  # (unplanned calls)
+    monkeypatch.setattr(backward, "backward_call", reference_backward)
+    return reference_launches(monkeypatch)
+
+
+def qkv(requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, D, generator=g, dtype=torch.bfloat16).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def expected(q, k, v, score_mod=None, mask_mod=None):
+    return flexgen.reference_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod).to(q.dtype)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def test_a_repeated_call_is_planned_once_and_computes_each_time(made):
+    mask = flexgen.create_block_mask(causal, None, None, L, L, device="cpu")
+    for seed in range(3):  # fresh inputs of the same layout: the plan, with these tensors
+        q, k, v = qkv(seed=seed)
+        out = flexgen.flex_attention(q, k, v, block_mask=mask)
+        torch.testing.assert_close(out, expected(q, k, v, mask_mod=causal), rtol=2e-2, atol=2e-2)
+    assert made == ["fwd"] and len(eager_plans._plans) == 1
+
+
+def test_what_the_whole_path_reads_makes_a_new_plan(made):
+    q, k, v = qkv()
+    mask = flexgen.create_block_mask(causal, None, None, L, L, device="cpu")
+    flexgen.flex_attention(q, k, v, block_mask=mask)
+    other_mask = flexgen.create_block_mask(lambda b, h, qi, ki: qi >= ki + 8, None, None, L, L, device="cpu")
+    out = flexgen.flex_attention(q, k, v, block_mask=other_mask)
+    torch.testing.assert_close(out, expected(q, k, v, mask_mod=other_mask.mask_mod), rtol=2e-2, atol=2e-2)
+    flexgen.flex_attention(q, k, v, block_mask=mask, scale=0.5)
+    flexgen.flex_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, block_mask=mask)  # other strides
+    flexgen.flex_attention(q.float().to(torch.float16), k.to(torch.float16), v.to(torch.float16), block_mask=mask)
+    flexgen.flex_attention(q, k, v, block_mask=mask, return_aux=flexgen.AuxRequest(lse=True))
+    flexgen.flex_attention(q, k, v, block_mask=mask, kernel_options={"BLOCK_M": 128})
+    assert made == ["fwd"] * 7
+    flexgen.flex_attention(q, k, v, block_mask=mask, kernel_options={"BLOCK_M": 128})
+    flexgen.flex_attention(q, k, v, block_mask=mask)
+    assert made == ["fwd"] * 7
+
+
+def test_a_closure_rebound_to_another_tensor_is_planned_again(made):
+    q, k, v = qkv()
+    bias = torch.randn(H)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    flexgen.flex_attention(q, k, v, score_mod=head_bias)
+    bias = torch.randn(H) * 4  # noqa: F841 (read by head_bias through its closure)
+    out = flexgen.flex_attention(q, k, v, score_mod=head_bias)
+    torch.testing.assert_close(out, expected(q, k, v, score_mod=head_bias), rtol=2e-2, atol=2e-2)
+    assert made == ["fwd", "fwd"]
+
+
+def test_a_mask_changed_in_place_is_planned_again(made):
+    q, k, v = qkv()
+    mask = flexgen.create_block_mask(causal, None, None, L, L, device="cpu")
+    flexgen.flex_attention(q, k, v, block_mask=mask)
+    mask.kv_num_blocks.add_(0)  # any in-place write bumps the version (paged attention updates masks so)
+    flexgen.flex_attention(q, k, v, block_mask=mask)
+    assert made == ["fwd", "fwd"]
+
+
+def test_grad_mode_and_requires_grad_are_part_of_the_plan(made):
+    q, k, v = qkv(requires_grad=True)
+    with torch.no_grad():
+        flexgen.flex_attention(q, k, v)
+    out = flexgen.flex_attention(q, k, v)
+    assert out.requires_grad
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flexgen.flex_attention(q, k, v).sum().backward()  # the plan, and its backward, again
+    assert made == ["fwd", "fwd", "bwd"]
+    for t, g in zip((q, k, v), grads):
+        torch.testing.assert_close(t.grad, g)
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    flexgen.reference_attention(*x64).sum().backward()
+    for t, x in zip((q, k, v), x64):
+        torch.testing.assert_close(t.grad.double(), x.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_another_grad_out_layout_gets_its_own_backward(made):
+    q, k, v = qkv(requires_grad=True)
+    flexgen.flex_attention(q, k, v).sum().backward()  # grad_out: ones expanded, strides 0
+    flexgen.flex_attention(q, k, v).backward(torch.randn(B, H, L, D, dtype=torch.bfloat16))
+    flexgen.flex_attention(q, k, v).sum().backward()
+    assert made == ["fwd", "bwd", "bwd"]
+
+
+def test_a_buffer_that_starts_needing_a_gradient_is_planned_again(made):
+    q, k, v = qkv(requires_grad=True)
+    slopes = torch.rand(H)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    flexgen.flex_attention(q, k, v, score_mod=alibi)
+    slopes.requires_grad_()
+    flexgen.flex_attention(q, k, v, score_mod=alibi)
+    assert made == ["fwd", "fwd"]
+
+
+def test_calls_that_are_never_planned(made):
+    q, k, v = qkv()
+    assert eager_plans.signature(q, k, v, None, None, -0.5, False, False, None, None, None) is None
+    assert eager_plans.signature(q, k, v, None, None, None, False, False, None, 0.1, None) is None
+    assert eager_plans.signature(q, k, v, None, None, None, False, False, {"x": [1]}, None, None) is None
+    assert eager_plans.signature(q, k, v, None, None, None, False, False, {"BLOCK_M": 64}, None, None) is not None
+    flexgen.flex_attention(q, k, v, scale=-0.5)  # the sign moves onto the query: the whole path each time
+    assert made == [] and not eager_plans._plans
+
+
+def test_a_plan_neither_outlives_nor_keeps_alive_its_mask_and_score_mod(made):
+    q, k, v = qkv()
+    mask = flexgen.create_block_mask(causal, None, None, L, L, device="cpu")
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20 * torch.tanh(score / 20)
+
+    flexgen.flex_attention(q, k, v, score_mod=softcap, block_mask=mask)
+    assert len(eager_plans._plans) == 1
+    mask_ref, mod_ref = weakref.ref(mask), weakref.ref(softcap)
+    del mask, softcap
+    gc.collect()
+    assert mask_ref() is None and mod_ref() is None
+    assert not eager_plans._plans
+
+
+def test_the_least_recently_used_plans_go_first(made, monkeypatch):
+    monkeypatch.setattr(eager_plans, "MAX_PLANS", 2)
+    q, k, v = qkv()
+    for scale in (0.1, 0.2, 0.3):
+        flexgen.flex_attention(q, k, v, scale=scale)
+    assert len(eager_plans._plans) == 2
+    flexgen.flex_attention(q, k, v, scale=0.1)  # dropped: planned again
+    flexgen.flex_attention(q, k, v, scale=0.3)  # kept
+    assert made == ["fwd"] * 4
+
+
+def test_pytorchs_empty_block_mask_is_planned_by_the_mask_the_caller_holds(made):
+    """flex_attention replaces PyTorch's empty mask (one block for any length) before planning: the plan follows
+    the caller's object, not the replacement."""
+    from torch.nn.attention.flex_attention import _create_empty_block_mask
+
+    q, k, v = qkv()
+    empty = _create_empty_block_mask(q, k)
+    for _ in range(2):
+        out = flexgen.flex_attention(q, k, v, block_mask=empty)
+        torch.testing.assert_close(out, expected(q, k, v), rtol=2e-2, atol=2e-2)
+    assert made == ["fwd"]
