@@ -79,7 +79,10 @@ def signature(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
 
 def find(sig: tuple, score_mod, block_mask) -> "EagerPlan | None":
     """The plan made for `sig`, if its mods and mask are these very objects and its buffers unchanged."""
-    plan = _plans.get(sig)
+    try:
+        plan = _plans.get(sig)
+    except TypeError:  # a value that cannot be a key (a return_aux that is no AuxRequest: the whole path says so)
+        return None
     if plan is None or not plan.serves(score_mod, block_mask):
         return None
     return plan
