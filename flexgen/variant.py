@@ -40,6 +40,8 @@ _trace_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary
 
 
 def _closure_key(fn) -> tuple:
+    """What a traced function's Mod depends on besides its code: the objects its closure cells and the module
+    globals it names hold now (a global tensor rebound, `bias = torch.randn(...)`, is another variant), by id."""
     cells = getattr(fn, "__closure__", None) or ()
     out = []
     for c in cells:
@@ -47,7 +49,19 @@ def _closure_key(fn) -> tuple:
             out.append(id(c.cell_contents))
         except ValueError:  # empty cell
             out.append(None)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        g = fn.__globals__
+        out.extend(id(g.get(name)) for name in _global_names(code))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code) -> tuple[str, ...]:
+    """The names a code object (and the functions defined in it) may read as globals."""
+    from .dsl.trace import _code_names
+
+    return tuple(dict.fromkeys(_code_names(code)))
 
 
 def _trace(fn, kind: str) -> Mod | None:

@@ -71,15 +71,17 @@ def test_what_the_whole_path_reads_makes_a_new_plan(made):
 
 def test_a_closure_rebound_to_another_tensor_is_planned_again(made):
     q, k, v = qkv()
-    bias = torch.randn(H)
+    bias = torch.zeros(L)
 
-    def head_bias(score, b, h, q_idx, kv_idx):
-        return score + bias[h]
+    def key_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
 
-    flexgen.flex_attention(q, k, v, score_mod=head_bias)
-    bias = torch.randn(H) * 4  # noqa: F841 (read by head_bias through its closure)
-    out = flexgen.flex_attention(q, k, v, score_mod=head_bias)
-    torch.testing.assert_close(out, expected(q, k, v, score_mod=head_bias), rtol=2e-2, atol=2e-2)
+    flexgen.flex_attention(q, k, v, score_mod=key_bias)
+    bias = torch.randn(L) * 4  # read by key_bias through its closure
+    out = flexgen.flex_attention(q, k, v, score_mod=key_bias)
+    want = flexgen.reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias.double()[ki]).to(q.dtype)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(out, expected(q, k, v), rtol=2e-2, atol=2e-2)
     assert made == ["fwd", "fwd"]
 
 
@@ -181,3 +183,23 @@ def test_pytorchs_empty_block_mask_is_planned_by_the_mask_the_caller_holds(made)
         out = flexgen.flex_attention(q, k, v, block_mask=empty)
         torch.testing.assert_close(out, expected(q, k, v), rtol=2e-2, atol=2e-2)
     assert made == ["fwd"]
+
+
+GLOBAL_BIAS = torch.zeros(L)
+
+
+def global_key_bias(score, b, h, q_idx, kv_idx):
+    return score + GLOBAL_BIAS[kv_idx]
+
+
+def test_a_module_global_rebound_to_another_tensor_is_traced_again(made, monkeypatch):
+    """A score_mod that reads a module global sees the tensor the global holds at the call, as PyTorch's does."""
+    q, k, v = qkv()
+    flexgen.flex_attention(q, k, v, score_mod=global_key_bias)
+    monkeypatch.setitem(globals(), "GLOBAL_BIAS", torch.randn(L) * 4)
+    out = flexgen.flex_attention(q, k, v, score_mod=global_key_bias)
+    assert made == ["fwd", "fwd"]
+    bias = GLOBAL_BIAS.to(torch.float64)
+    want = flexgen.reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki]).to(q.dtype)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(out, expected(q, k, v), rtol=2e-2, atol=2e-2)
