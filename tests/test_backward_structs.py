@@ -132,6 +132,20 @@ def test_deterministic_buffer_grads_compile_without_spills(name, arch, head_dim)
     assert "dx = ds != 0.f ? score_mod_bwd(" not in src  # every lane calls it: its flushes are warp-wide
 
 
+def test_padded_rows_cover_every_backward_tile():
+    """lse and delta reach the main kernels padded to ROWS_ALIGN rows per (b, h) (the sm90 backward bulk-copies a
+    step's BLOCK_M rows of each: 16-byte aligned, never past the end; the preprocess grid covers the padding): a
+    multiple of every backward BLOCK_M the families run and of the preprocess kernel's rows per CTA."""
+    assert [bw.padded_rows(n) for n in (0, 1, 127, 128, 129, 1000)] == [0, 128, 128, 128, 256, 1024]
+    sm80, sm90 = families.named("sm80"), families.named("sm90")
+    rows = {sm90.BWD[0], sm90.BWD_WIDE[0], sm80.PRE_POST[0]} | {tile[0] for _, tile in sm80.BWD + sm80.BWD_LEAN}
+    assert all(bw.ROWS_ALIGN % m == 0 for m in rows), rows
+    for mask_block in (None, (64, 64), (16, 32), (128, 16), (256, 128)):  # as the planner picks, either family
+        for arch, head_dim in (("sm_80", 128), ("sm_90a", 64), ("sm_90a", 128)):
+            spec = plan("bwd", arch, head_dim, "bf16", None, V.causal.expr, mask_block=mask_block)
+            assert bw.ROWS_ALIGN % spec.block_m == 0, (arch, head_dim, mask_block, spec.family, spec.block_m)
+
+
 def test_deterministic_grad_copies_bound():
     """Per-warp buffer-gradient copies: fewer splits past DETERMINISTIC_GRAD_BYTES, an error past one split."""
     limit = bw.DETERMINISTIC_GRAD_BYTES

@@ -447,3 +447,34 @@ def test_deterministic_buffer_grads_memory_bound(monkeypatch):
     out = flexgen.flex_attention(q, k, k, score_mod=score, kernel_options={"deterministic": True})
     with pytest.raises(NotImplementedError, match="DETERMINISTIC_GRAD_BYTES"):
         out.sum().backward()
+
+
+@gpu
+@pytest.mark.parametrize("q_len,deterministic", [(200, False), (128, False), (1, True)])
+def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic):
+    """The preprocess kernel writes every element of the padded lse and delta (runtime/backward.ROWS_ALIGN), 0 past
+    q_len, lse bit for bit (-inf too), delta = rowsum(dO * O) in fp32, and zeroes each split's dQ accumulator; the
+    outputs start as NaN, so an element it skips shows."""
+    from flexgen.runtime import backward as bw
+
+    fresh_seed()
+    B, H, D = 2, 3, D0
+    o = torch.randn(B, H, q_len, D, device=DEV, dtype=torch.bfloat16)
+    do = torch.randn(B, H, q_len, D, device=DEV, dtype=torch.bfloat16)
+    lse = torch.randn(B, H, q_len, device=DEV)
+    lse[0, 1, 0] = float("-inf")  # a row that saw nothing
+    launch = bw.prepare_backward(o, o, o, o, do, None, None, None, 0.1, {"deterministic": deterministic},
+                                 (True, True, True))
+    assert launch.splits > 1 or not deterministic
+    padded = bw.padded_rows(q_len)
+    delta = torch.full((B, H, padded), float("nan"), device=DEV)
+    lse_padded = torch.full_like(delta, float("nan"))
+    dq_accum = torch.full((launch.splits, B, H, q_len, D), float("nan"), device=DEV)
+    launch.preprocess(o, do, lse, delta, lse_padded, dq_accum, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert padded % 128 == 0 and padded >= q_len
+    assert torch.equal(lse_padded[..., :q_len], lse)
+    assert torch.count_nonzero(lse_padded[..., q_len:]) == 0 and torch.count_nonzero(delta[..., q_len:]) == 0
+    want = (o.float() * do.float()).sum(-1)
+    torch.testing.assert_close(delta[..., :q_len], want, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(dq_accum) == 0

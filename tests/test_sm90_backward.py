@@ -55,6 +55,8 @@ def test_compiles_and_matches_host_layouts(name, D):
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
+    # lse and delta of a step by two 1-D bulk copies (from bwd_preprocess's padded buffers), on the stage's barrier
+    assert kernel.ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [") >= 2
     m = re.search(r"flexgen_bwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
     assert m and int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin
     buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
@@ -312,8 +314,8 @@ def test_sm90_backward_persistent_option():
 def test_dropout_kernels_compile(D):
     """Dropout runs on the sm90 family: the forward scales P by Z / (1 - p) before P V, the backward draws the same Z
     for dV and dP^T (common/philox.cuh), both on the two-warpgroup tiles (Philox's state spills 500+ B on the
-    192-row forward and the 128-row backward). NVRTC 13.5: the forward spill-free, the backward 8 B at D = 64 and
-    52-196 B at D = 128; more is a regression."""
+    192-row forward and the 128-row backward). NVRTC 13.5: the forward spill-free, the backward spill-free at D = 64
+    and 36-52 B (consumers) at D = 128; more is a regression."""
     for name, score, mask in (("none", None, None), ("alibi_causal", V.alibi(4), V.causal)):
         for kind in ("fwd", "bwd"):
             spec = make_spec(kind, score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=True, **SM90)
@@ -321,7 +323,7 @@ def test_dropout_kernels_compile(D):
             kernel = jit.get_kernel(spec)
             assert "dropout_keep_bits" in kernel.source
             assert_tma_fed_and_unserialised(kernel)
-            limit = 0 if kind == "fwd" else 8 if D == 64 else 200
+            limit = 0 if kind == "fwd" or D == 64 else 64
             assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{kind} {name} D={D}: {kernel.resources}"
 
 

@@ -152,8 +152,10 @@ FWD_PARAMS = ParamStruct("FwdParams", (
 BWD_PARAMS = ParamStruct("BwdParams", (
     *_QKV,
     _line("const half_bits*", "dout", comment="dO, same layout rules as q"),
-    _line("const float*", "lse", comment="(B, H, q_len) from the forward, natural log; -inf: row saw nothing"),
-    _line("const float*", "delta", comment="(B, H, q_len): rowsum(dO * O), from bwd_preprocess"),
+    "lse and delta: (B, H, q_len_padded) fp32 from bwd_preprocess, rows past q_len 0 (the sm90 kernel copies a",
+    "step's rows of each with one bulk copy, which wants 16-byte aligned addresses and sizes).",
+    _line("const float*", "lse", comment="the forward's lse, natural log; -inf: row saw nothing"),
+    _line("const float*", "delta", comment="rowsum(dO * O)"),
     _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, not yet scaled; null: dQ not wanted"),
     _line("half_bits*", "dk", comment="(B, H_kv, kv_len, D); null: not wanted"),
     _line("half_bits*", "dv", comment="(B, H_kv, kv_len, D); null: not wanted"),
@@ -164,6 +166,7 @@ BWD_PARAMS = ParamStruct("BwdParams", (
           comment="deterministic mode: elements between two warps' copies of the buffer gradients"),
     _line("int", "q_len", "kv_len", "num_heads", "kv_group",
           comment="num_heads = query heads; kv_group = query heads per KV head"),
+    _line("int", "q_len_padded", comment="rows per (b, h) of lse and delta: q_len rounded up to 128"),
     *_SCALES,
     *_mask_lists("q", "kv", ("The block mask's transposed lists: per (b, h, KV block) a count and a list of query",
                              "blocks, \"partial\" ones (mask_mod applies) and \"full\" ones. A zero stride broadcasts.")),
@@ -176,15 +179,18 @@ BWD_PARAMS = ParamStruct("BwdParams", (
           comment="sm90 persistent, null or: the work tile of CTA c at turn t at [c + t * gridDim.x], -1: no more"),
 ), map_names=("q_map", "k_map", "v_map", "do_map", "dq_map", "dk_map", "dv_map"))
 
-# sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O), and a zeroed dQ accumulator.
+# sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O) and a copy of lse, both padded (see BwdParams), and a zeroed
+# dQ accumulator.
 BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (
     _line("const half_bits*", "o", comment="forward output (B, H, q_len, D)"),
     _line("const half_bits*", "dout", comment="its gradient, same shape"),
-    _line("float*", "delta", comment="(B, H, q_len) out"),
+    _line("const float*", "lse", comment="the forward's (B, H, q_len), contiguous"),
+    _line("float*", "lse_padded", comment="(B, H, q_len_padded) out: lse, rows past q_len 0"),
+    _line("float*", "delta", comment="(B, H, q_len_padded) out, rows past q_len 0"),
     _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, zeroed here; null: dQ not wanted"),
     _strides("o"), _strides("do"),
     _line("long long", "dq_split_stride", comment="elements between two splits' dQ partials"),
-    _line("int", "q_len", "num_heads", "num_splits"),
+    _line("int", "q_len", "q_len_padded", "num_heads", "num_splits"),
 ))
 
 # sm80/bwd_postprocess.cu.j2: dQ = scale * the sum of the accumulator's partials, in the input dtype.

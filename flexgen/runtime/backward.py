@@ -1,6 +1,7 @@
 """The backward pass: three generated kernels, launched in order on torch's current stream.
 
-1. bwd_preprocess   delta = rowsum(dO * O) (fp32), and zero the fp32 dQ accumulator.
+1. bwd_preprocess   delta = rowsum(dO * O) (fp32) and a copy of lse, both padded to ROWS_ALIGN rows per
+                    (batch, head), and zero the fp32 dQ accumulator.
 2. bwd              one CTA per (KV tile, batch, KV head): recompute P, accumulate dK, dV in
                     registers (summed over the query heads of a GQA group), add dQ partials
                     into the accumulator, and (through score_mod_bwd) buffer gradients.
@@ -55,6 +56,16 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
 # (templates/sm90/bwd.cu.j2, DQ_ROWS); it stores dK and dV by TMA too, 64 key rows per warpgroup.
 DQ_BOX_ROWS = 64
 DKV_BOX_ROWS = 64
+
+# lse and delta reach the main kernels from (B, H, q_len_padded) fp32 buffers, q_len rounded up to ROWS_ALIGN (rows
+# past q_len 0), written by the preprocess kernel: the sm90 backward copies a step's BLOCK_M rows of each with one bulk
+# copy, whose addresses and size must be multiples of 16 bytes, and never past the buffer's end. ROWS_ALIGN is a
+# multiple of every BLOCK_M of the backward kernels and of the preprocess kernel's rows per CTA.
+ROWS_ALIGN = 128
+
+
+def padded_rows(q_len: int) -> int:
+    return -(-q_len // ROWS_ALIGN) * ROWS_ALIGN
 
 # Deterministic mode: at most this many bytes of per-warp buffer-gradient copies (fewer splits,
 # then an error, past it).
@@ -204,15 +215,17 @@ class BackwardLaunch:
         # ModArgs: packed here without gradients; with them, per run (they are allocated per run)
         self._pack = lambda grads: pack_mod_args(lowered, self.buffers, params, grads)
 
-        # 1. delta, and a zeroed dQ accumulator
+        # 1. delta and lse, padded (see ROWS_ALIGN), and a zeroed dQ accumulator
+        self.q_len_padded = q_len_padded = padded_rows(q_len)
+        assert q_len_padded % spec.block_m == 0 and q_len_padded % pre_spec.block_m == 0, (spec.block_m, pre_spec.block_m)
         self.pre_kernel = get_kernel(pre_spec)
         empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
         pre = self.pre = BWD_PRE_PARAMS.ctypes_type(type(empty_args))()
         pre.o_stride_b, pre.o_stride_h, pre.o_stride_l = o.stride()[:3]
         pre.dq_split_stride = split_stride
-        pre.q_len, pre.num_heads, pre.num_splits = q_len, heads, splits
+        pre.q_len, pre.q_len_padded, pre.num_heads, pre.num_splits = q_len, q_len_padded, heads, splits
         pre.mod = empty_args
-        self.rows_grid = _dim3((-(-q_len // pre_spec.block_m), heads, batch))
+        self.pre_grid = _dim3((q_len_padded // pre_spec.block_m, heads, batch))  # (the padding rows too)
         self.pre_threads = _dim3(families.of(pre_spec).threads_per_cta(pre_spec))
 
         # 2. the main kernel
@@ -237,6 +250,7 @@ class BackwardLaunch:
         p.dq_split_stride = split_stride
         p.grad_slot_stride = self.grad_floats if self.grad_copies else 0
         p.q_len, p.kv_len, p.num_heads, p.kv_group = q_len, kv_len, heads, heads // kv_heads
+        p.q_len_padded = q_len_padded
         p.scale, p.scale_log2 = scale, scale * LOG2E
         mask_lists = ()
         if bm is not None:
@@ -271,6 +285,7 @@ class BackwardLaunch:
             post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
             post.scale = scale
             post.mod = empty_args
+            self.post_grid = _dim3((-(-q_len // post_spec.block_m), heads, batch))
             self.post_threads = _dim3(families.of(post_spec).threads_per_cta(post_spec))
 
     def _buffer_grads(self) -> tuple[dict, torch.Tensor | None]:
@@ -284,6 +299,17 @@ class BackwardLaunch:
             return dict(zip(names, _buffer_views(parts[0], names, buffers))), parts
         return {n: torch.zeros(buffers[n].shape, dtype=torch.float32, device=self.device) for n in names}, None
 
+    def preprocess(self, o, do, lse, delta, lse_padded, dq_accum, stream: int) -> None:
+        """The first kernel: delta (B, H, q_len_padded) <- rowsum(dO * O), lse_padded (same shape) <- lse (B, H,
+        q_len, contiguous), both 0 past q_len (every element written), and dq_accum (splits, B, H, q_len, D) zeroed
+        where given."""
+        pre = type(self.pre).from_buffer_copy(self.pre)
+        pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
+        pre.lse, pre.lse_padded = lse.data_ptr(), lse_padded.data_ptr()
+        pre.do_stride_b, pre.do_stride_h, pre.do_stride_l = do.stride()[:3]
+        pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
+        self.pre_kernel.launch_dim3(self.pre_grid, self.pre_threads, 0, stream, pre)
+
     def run(self, query, key, value, out, lse, grad_out, grad_lse=None, philox: tuple[int, int] | None = None):
         """(dq, dk, dv, buffer_grads) for inputs of the planned layouts (the output gradient in any)."""
         want_dq, want_dk, want_dv = self.want
@@ -291,27 +317,23 @@ class BackwardLaunch:
         if any(self.copies):
             q, k, v, o = (kernel_ready(t) if copy else t for t, copy in zip((query, key, value, out), self.copies))
         do = kernel_ready(grad_out.to(self.dtype))
-        if not (lse.is_contiguous() and lse.data_ptr() % 16 == 0):
-            lse = lse.clone(memory_format=torch.contiguous_format)
+        lse = lse.contiguous()  # (only the preprocess kernel reads it)
         batch, heads, q_len, d = query.shape
         kv_heads, kv_len = key.shape[1], key.shape[2]
         device = self.device
         with torch.cuda.device(device):  # kernels launch on the current device
             stream = torch.cuda.current_stream(device).cuda_stream
-            delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=device)
+            # lse and delta as the main kernel reads them (see ROWS_ALIGN); the preprocess writes every element.
+            delta = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
+            lse_padded = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
             dq_accum = _like(self.splits, batch, heads, q_len, d, torch.float32, device) if want_dq else None
             dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None
             dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None
             do_strides = do.stride()[:3]
 
-            # 1. delta, and a zeroed dQ accumulator
-            pre = type(self.pre).from_buffer_copy(self.pre)
-            pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
-            pre.do_stride_b, pre.do_stride_h, pre.do_stride_l = do_strides
-            pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
-            self.pre_kernel.launch_dim3(self.rows_grid, self.pre_threads, 0, stream, pre)
+            self.preprocess(o, do, lse, delta, lse_padded, dq_accum, stream)
             if grad_lse is not None:
-                fold_lse_grad(delta, lse, grad_lse)
+                fold_lse_grad(delta[..., :q_len], lse, grad_lse)
 
             # 2. the main kernel
             p = type(self.main).from_buffer_copy(self.main)
@@ -325,7 +347,7 @@ class BackwardLaunch:
                 dv = torch.empty(dv.shape, dtype=dv.dtype, device=device)
             p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
             p.do_stride_b, p.do_stride_h, p.do_stride_l = do_strides
-            p.lse, p.delta = lse.data_ptr(), delta.data_ptr()
+            p.lse, p.delta = lse_padded.data_ptr(), delta.data_ptr()
             p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
             p.dk = dk.data_ptr() if dk is not None else None
             p.dv = dv.data_ptr() if dv is not None else None
@@ -354,10 +376,10 @@ class BackwardLaunch:
                 dq = empty_like_layout(query, (batch, heads, q_len, d))
                 post = type(self.post).from_buffer_copy(self.post)
                 post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
-                self.post_kernel.launch_dim3(self.rows_grid, self.post_threads, 0, stream, post)
+                self.post_kernel.launch_dim3(self.post_grid, self.post_threads, 0, stream, post)
         # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
         # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
-        del delta, dq_accum, grad_parts
+        del delta, lse_padded, dq_accum, grad_parts
         return dq, dk, dv, buffer_grads
 
 

@@ -42,6 +42,15 @@ __device__ __forceinline__ void tma_store_box(const TensorMap* map, const void* 
         : "memory");
 }
 
+// `bytes` contiguous bytes from global `src` to shared `dst` by the copy engine (a 1-D bulk copy, no tensor map),
+// completing on `bar` as the tile loads do: both addresses and the size multiples of 16 bytes.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes), "r"(mbar_addr(bar))
+        : "memory");
+}
+
 // Fetches a tensor map into the descriptor cache ahead of its first use.
 __device__ __forceinline__ void tma_prefetch_map(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
