@@ -463,7 +463,8 @@ def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic):
     do = torch.randn(B, H, q_len, D, device=DEV, dtype=torch.bfloat16)
     lse = torch.randn(B, H, q_len, device=DEV)
     lse[0, 1, 0] = float("-inf")  # a row that saw nothing
-    launch = bw.prepare_backward(o, o, o, o, do, None, None, None, 0.1, {"deterministic": deterministic},
+    kv = torch.randn(B, H, 1000, D, device=DEV, dtype=torch.bfloat16)  # (deterministic: several KV tiles, splits)
+    launch = bw.prepare_backward(o, kv, kv, o, do, None, None, None, 0.1, {"deterministic": deterministic},
                                  (True, True, True))
     assert launch.splits > 1 or not deterministic
     padded = bw.padded_rows(q_len)
