@@ -326,7 +326,7 @@ class BackwardLaunch:
             # lse and delta as the main kernel reads them (see ROWS_ALIGN); the preprocess writes every element.
             delta = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
             lse_padded = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
-            dq_accum = _like(self.splits, batch, heads, q_len, d, torch.float32, device) if want_dq else None
+            dq_accum = _dq_accumulator(self.splits, batch, heads, q_len, d, device) if want_dq else None
             dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None
             dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None
             do_strides = do.stride()[:3]
@@ -383,9 +383,9 @@ class BackwardLaunch:
         return dq, dk, dv, buffer_grads
 
 
-def _like(splits: int, batch: int, heads: int, q_len: int, d: int, dtype, device) -> torch.Tensor:
+def _dq_accumulator(splits: int, batch: int, heads: int, q_len: int, d: int, device) -> torch.Tensor:
     """The dQ accumulator: one (B, H, L, D) fp32 partial per split."""
-    return torch.empty(splits, batch, heads, q_len, d, dtype=dtype, device=device)
+    return torch.empty(splits, batch, heads, q_len, d, dtype=torch.float32, device=device)
 
 
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:
