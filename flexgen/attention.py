@@ -302,7 +302,8 @@ def flex_attention(
             reason is not None)
     if eager_route_ok(query, key, value, buffers):
         if plan_key is not None and reason is None and dropout_p == 0.0 and query.numel() > 0:
-            plan = _plan(plan_key, query, key, value, args, score_mod, user_mask, return_lse, return_aux)
+            plan = _plan(plan_key, query, key, value, args, score_mod, user_mask, return_lse, return_aux,
+                         (score_buffers, mask_buffers))
             return plan.run(query, key, value, AuxOutput)
         out, lse, row_max = attention_eager(query, key, value, *args)
     else:
@@ -313,18 +314,25 @@ def flex_attention(
     return (out, lse) if return_lse else out
 
 
-def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_mask, return_lse: bool, return_aux):
-    """The plan of a checked eager call (op_args: attention_eager's arguments after q, k, v), kept for the calls
-    with its signature."""
+def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_mask, return_lse: bool, return_aux,
+          mod_buffers: tuple):
+    """The plan of a checked eager call (op_args: attention_eager's arguments after q, k, v; mod_buffers: the
+    score_mod's and the mask_mod's buffer tensors), kept for the calls with its signature where the mods' buffers
+    can be found from them again."""
     from . import ops
     from .ops import eager_plan_parts, records_grad
 
     masks, buffers, scale, variant, _, _, want_max, _ = op_args
     launch, call = eager_plan_parts(query, key, value, masks, buffers, scale, variant, want_max)
+    score_buffers, mask_buffers = mod_buffers
+    paths = (eager_plans.buffer_paths(score_mod, score_buffers),
+             eager_plans.buffer_paths(getattr(block_mask, "mask_mod", None), mask_buffers))
     plan = eager_plans.EagerPlan(launch, call, tuple(buffers), records_grad(query, key, value, buffers),
                                  returns=(return_lse, return_aux, want_max),
-                                 route_ok=lambda *a: ops.eager_route_ok(*a))  # (looked up per call)
-    eager_plans.keep(plan_key, plan, score_mod, block_mask)
+                                 route_ok=lambda *a: ops.eager_route_ok(*a),  # (looked up per call)
+                                 paths=paths, score_buffers=len(score_buffers))
+    if None not in paths:
+        eager_plans.keep(plan_key, plan, score_mod, block_mask)
     return plan
 
 

@@ -117,20 +117,40 @@ def _owner(fn):
     return fn.__self__ if isinstance(fn, types.MethodType) else fn
 
 
-class EagerPlan:
-    """One planned kind of call: its forward launch, the arguments of its autograd node and how to return."""
+def buffer_paths(fn, tensors) -> tuple | None:
+    """For each buffer tensor a traced score_mod / mask_mod `fn` read, the steps from fn to it (variant._find:
+    closures, globals, attributes, a bound method's owner, ...), so that a plan can check that fn still reaches the
+    same tensors; () for a Mod (its tensors are its own) or no buffers; None where one cannot be found (such a call
+    is not planned)."""
+    from .dsl.mod import Mod
+    from .variant import buffer_paths as paths_from
 
-    def __init__(self, launch, call: tuple, buffers: tuple, records_grad: bool, returns: tuple, route_ok):
+    if fn is None or isinstance(fn, Mod) or not tensors:
+        return ()
+    paths = paths_from(fn, tensors)
+    return None if any(p is None for p in paths) else paths
+
+
+class EagerPlan:
+    """One planned kind of call: its forward launch, the arguments of its autograd node and how to return.
+    `paths`: buffer_paths of the score_mod's buffers and of the mask_mod's, which are `buffers` in that order."""
+
+    def __init__(self, launch, call: tuple, buffers: tuple, records_grad: bool, returns: tuple, route_ok,
+                 paths: tuple[tuple, tuple] = ((), ()), score_buffers: int = 0):
         self.launch, self.call, self.buffers = launch, call, buffers
         self.route_ok = route_ok  # ops.eager_route_ok: whether the call may bypass the ops, checked per call
         self.buffer_state = _buffer_state(buffers)
         self.records_grad = records_grad
         self.return_lse, self.return_aux, self.want_max = returns
+        score_paths, mask_paths = (p or () for p in paths)  # (None: not found; such a plan is not kept)
+        self.reached = tuple(r for r in (("score", score_paths, buffers[:score_buffers]),
+                                         ("mask", mask_paths, buffers[score_buffers:])) if r[1])
         self.refs: tuple = ()
 
     def serves(self, score_mod, block_mask) -> bool:
         """Whether the signature's ids still name the objects the plan was made for (an id is reused once its
-        object is freed), and its buffers are where they were."""
+        object is freed), the mods still reach the buffers it holds (an attribute or a nested closure variable
+        rebound to another tensor is another variant), and those are where they were."""
         refs = self.refs
         if len(refs) != (score_mod is not None) + (block_mask is not None):
             return False
@@ -138,7 +158,15 @@ class EagerPlan:
             return False
         if block_mask is not None and refs[-1]() is not block_mask:
             return False
-        return not self.buffers or _buffer_state(self.buffers) == self.buffer_state
+        if not self.buffers:
+            return True
+        if self.reached:
+            from .variant import reaches_buffers
+
+            for kind, paths, tensors in self.reached:
+                if not reaches_buffers(score_mod if kind == "score" else block_mask.mask_mod, paths, tensors):
+                    return False
+        return _buffer_state(self.buffers) == self.buffer_state
 
     def run(self, query, key, value, aux_output):
         """flex_attention's result for these inputs (of the planned layouts)."""

@@ -77,10 +77,33 @@ def _trace(fn, kind: str) -> Mod | None:
     except TypeError:  # not weak-referenceable: trace every time
         return trace(fn)
     key = _closure_key(fn)
-    if key not in per_fn:
-        per_fn.clear()
-        per_fn[key] = trace(fn)
-    return per_fn[key]
+    hit = per_fn.get(key)
+    if hit is not None:
+        mod, paths = hit
+        if paths is None:  # found at the first reuse (a function traced once never pays the search)
+            paths = buffer_paths(fn, mod.buffer_tensors)
+            per_fn[key] = (mod, paths)
+        if None not in paths and reaches_buffers(fn, paths, mod.buffer_tensors):
+            return mod
+    per_fn.clear()
+    mod = trace(fn)
+    per_fn[key] = (mod, None)
+    return mod
+
+
+def buffer_paths(fn, tensors) -> tuple:
+    """For each tensor a traced function read, the steps from the function to it (_find: closures, globals,
+    attributes, a bound method's owner, containers), or None where there is none within _PATH_DEPTH."""
+    return tuple(_find(fn, t, 0, set()) for t in tensors)
+
+
+def reaches_buffers(fn, paths: tuple, tensors) -> bool:
+    """Whether fn still reaches each of `tensors` along its path: an attribute, a nested closure variable or a
+    container entry rebound to another tensor is another variant."""
+    try:
+        return all(_follow(fn, p) is t for p, t in zip(paths, tensors))
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # the path itself is gone
+        return False
 
 
 def _traced(fn, kind: str) -> Mod | None:

@@ -203,3 +203,40 @@ def test_a_module_global_rebound_to_another_tensor_is_traced_again(made, monkeyp
     want = flexgen.reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki]).to(q.dtype)
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     assert not torch.allclose(out, expected(q, k, v), rtol=2e-2, atol=2e-2)
+
+
+class _KeyBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.zeros(L)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias[kv_idx]
+
+
+def test_a_tensor_reached_through_an_attribute_or_a_container_is_followed(made):
+    """A bound method whose owner's attribute is rebound, and a closure over a dict whose entry is replaced: the
+    signature (the function, its owner, its closure cells) is the same, the buffer the mod reads is not."""
+    q, k, v = qkv()
+    owner = _KeyBias()
+    flexgen.flex_attention(q, k, v, score_mod=owner.score_mod)
+    flexgen.flex_attention(q, k, v, score_mod=owner.score_mod)  # a new bound method each time: the same plan
+    owner.bias = torch.randn(L) * 4
+    out = flexgen.flex_attention(q, k, v, score_mod=owner.score_mod)
+    bias = owner.bias.double()
+    want = flexgen.reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki]).to(q.dtype)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert made == ["fwd", "fwd"]
+
+    held = {"bias": torch.zeros(L)}
+
+    def from_dict(score, b, h, q_idx, kv_idx):
+        return score + held["bias"][kv_idx]
+
+    flexgen.flex_attention(q, k, v, score_mod=from_dict)
+    held["bias"] = torch.randn(L) * 4
+    out = flexgen.flex_attention(q, k, v, score_mod=from_dict)
+    bias = held["bias"].double()
+    want = flexgen.reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki]).to(q.dtype)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert made == ["fwd"] * 4
