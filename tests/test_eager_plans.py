@@ -240,3 +240,29 @@ def test_a_tensor_reached_through_an_attribute_or_a_container_is_followed(made):
     want = flexgen.reference_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki]).to(q.dtype)
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     assert made == ["fwd"] * 4
+
+
+def _gym_cases():
+    from test_gym_functions import MASKS, SCORES
+
+    return ([("mask", name, fn, shape) for name, (fn, shape) in sorted(MASKS.items())]
+            + [("score", name, fn, shape) for name, (fn, shape) in sorted(SCORES.items())])
+
+
+@pytest.mark.parametrize("kind,name,fn,shape", _gym_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_attention_gym_mods_are_planned_once_and_served(made, kind, name, fn, shape):
+    """Every attention-gym mask and score_mod of tests/test_gym_functions.py: the second call runs the first one's
+    plan (its signature hashes, its buffers are found again), with the reference's result both times."""
+    from test_gym_functions import B as GB, H as GH
+
+    q_len = kv_len = shape.get("q_len", 64)
+    g = torch.Generator().manual_seed(7)
+    mask = flexgen.create_block_mask(fn, GB, GH, q_len, kv_len, device="cpu") if kind == "mask" else None
+    score = fn if kind == "score" else None
+    for _ in range(2):
+        q, k, v = (torch.randn(GB, GH, q_len, D, generator=g, dtype=torch.bfloat16) for _ in range(3))
+        out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=mask)
+        want = flexgen.reference_attention(q, k, v, score_mod=score, mask_mod=fn if kind == "mask" else None)
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out, want.to(q.dtype), rtol=2e-2, atol=2e-2)
+    assert made == ["fwd"], f"{name}: planned {len(made)} times"
