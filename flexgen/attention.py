@@ -125,6 +125,11 @@ def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, sc
     from .ops import _in_layout_of
 
     out = _in_layout_of(out, query)  # the query's dimension order, as the kernels' output and PyTorch's have it
+    return _as_requested(out, lse, row_max, return_lse, return_aux)
+
+
+def _as_requested(out, lse, row_max, return_lse: bool, return_aux):
+    """flex_attention's result: out; (out, lse) with return_lse; (out, AuxOutput) with return_aux."""
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if return_aux.max_scores else None)
     return (out, lse) if return_lse else out
@@ -236,7 +241,7 @@ def flex_attention(
                                          kernel_options, dropout_p, return_aux)
         plan = None if plan_key is None else eager_plans.find(plan_key, score_mod, block_mask)
         if plan is not None and plan.route_ok(query, key, value, plan.buffers):
-            return plan.run(query, key, value, AuxOutput)
+            return _as_requested(*plan.run(query, *_broadcast_kv_batch(query, key, value)), return_lse, return_aux)
     from .dropout import check_dropout_range
     from .ops import attention_eager, attention_fwd, default_scale, eager_route_ok, mask_tensors
     from .variant import mod_parts, variant_key
@@ -302,20 +307,16 @@ def flex_attention(
             reason is not None)
     if eager_route_ok(query, key, value, buffers):
         if plan_key is not None and reason is None and dropout_p == 0.0 and query.numel() > 0:
-            plan = _plan(plan_key, query, key, value, args, score_mod, user_mask, return_lse, return_aux,
-                         (score_buffers, mask_buffers))
-            return plan.run(query, key, value, AuxOutput)
+            plan = _plan(plan_key, query, key, value, args, score_mod, user_mask, (score_buffers, mask_buffers))
+            return _as_requested(*plan.run(query, key, value), return_lse, return_aux)
         out, lse, row_max = attention_eager(query, key, value, *args)
     else:
         masks, *rest = args
         out, lse, row_max = attention_fwd(query, key, value, *masks, *rest)
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max if want_max else None)
-    return (out, lse) if return_lse else out
+    return _as_requested(out, lse, row_max, return_lse, return_aux)
 
 
-def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_mask, return_lse: bool, return_aux,
-          mod_buffers: tuple):
+def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_mask, mod_buffers: tuple):
     """The plan of a checked eager call (op_args: attention_eager's arguments after q, k, v; mod_buffers: the
     score_mod's and the mask_mod's buffer tensors), kept for the calls with its signature where the mods' buffers
     can be found from them again."""
@@ -328,7 +329,6 @@ def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_m
     paths = (eager_plans.buffer_paths(score_mod, score_buffers),
              eager_plans.buffer_paths(getattr(block_mask, "mask_mod", None), mask_buffers))
     plan = eager_plans.EagerPlan(launch, call, tuple(buffers), records_grad(query, key, value, buffers),
-                                 returns=(return_lse, return_aux, want_max),
                                  route_ok=lambda *a: ops.eager_route_ok(*a),  # (looked up per call)
                                  paths=paths, score_buffers=len(score_buffers))
     if None not in paths:

@@ -24,7 +24,6 @@ from torch import Tensor
 from .variant import _closure_key
 
 MAX_PLANS = 64
-_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 
 _plans: "OrderedDict[tuple, EagerPlan]" = OrderedDict()
 _lock = threading.Lock()
@@ -132,16 +131,15 @@ def buffer_paths(fn, tensors) -> tuple | None:
 
 
 class EagerPlan:
-    """One planned kind of call: its forward launch, the arguments of its autograd node and how to return.
+    """One planned kind of call: its forward launch and the arguments of its autograd node.
     `paths`: buffer_paths of the score_mod's buffers and of the mask_mod's, which are `buffers` in that order."""
 
-    def __init__(self, launch, call: tuple, buffers: tuple, records_grad: bool, returns: tuple, route_ok,
+    def __init__(self, launch, call: tuple, buffers: tuple, records_grad: bool, route_ok,
                  paths: tuple[tuple, tuple] = ((), ()), score_buffers: int = 0):
         self.launch, self.call, self.buffers = launch, call, buffers
         self.route_ok = route_ok  # ops.eager_route_ok: whether the call may bypass the ops, checked per call
         self.buffer_state = _buffer_state(buffers)
         self.records_grad = records_grad
-        self.return_lse, self.return_aux, self.want_max = returns
         score_paths, mask_paths = (p or () for p in paths)  # (None: not found; such a plan is not kept)
         self.reached = tuple(r for r in (("score", score_paths, buffers[:score_buffers]),
                                          ("mask", mask_paths, buffers[score_buffers:])) if r[1])
@@ -168,22 +166,14 @@ class EagerPlan:
                     return False
         return _buffer_state(self.buffers) == self.buffer_state
 
-    def run(self, query, key, value, aux_output):
-        """flex_attention's result for these inputs (of the planned layouts)."""
-        if key.shape[0] != query.shape[0]:  # a key / value batch of 1 shared across the query's (checked)
-            b = query.shape[0]
-            key, value = key.expand(b, *key.shape[1:]), value.expand(b, *value.shape[1:])
+    def run(self, query, key, value):
+        """(out, lse, max_scores) for these inputs, of the planned layouts (key and value broadcast to the query's
+        batch, as flex_attention does); max_scores None unless the plan writes it."""
         if self.records_grad:
             from .ops import _EagerAttention
 
-            out, lse, row_max = _EagerAttention.apply(self.call, query, key, value, *self.buffers)
-        else:
-            out, lse, *rest = self.launch.run(query, key, value)
-            row_max = rest[0] if rest else None
-        if self.return_aux is not None:
-            return out, aux_output(lse=lse if self.return_aux.lse else None,
-                                   max_scores=row_max if self.want_max else None)
-        return (out, lse) if self.return_lse else out
+            return _EagerAttention.apply(self.call, query, key, value, *self.buffers)
+        return self.launch.run(query, key, value)
 
 
 def _buffer_state(buffers) -> tuple:

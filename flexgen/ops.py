@@ -178,14 +178,26 @@ def _backward_impl(q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale,
         return _unfused_backward(q, k, v, grad_out, grad_lse, masks, buffers, scale, var, need, buffer_grads)
     score, mask = var.bind(buffers)
     bm = _block_mask(var, masks, q, k)
-    names = _buffer_names(score, mask)
-    wanted = tuple(names[i] for i in buffer_grads)
-    dq, dk, dv, grads = _backward_pass.backward_call(
+    wanted = _wanted_names(score, mask, buffer_grads)
+    grads = _backward_pass.backward_call(
         q, k, v, out, lse, grad_out, score, bm, mask, scale, var.kernel_options, need,
         grad_buffers=wanted, grad_lse=grad_lse, **_dropout_kwargs(dropout_p, rng),
     )
+    return _as_returned(grads, q, k, v, wanted)
+
+
+def _wanted_names(score, mask, buffer_grads) -> tuple[str, ...]:
+    """The names of the buffers whose gradients are wanted (buffer_grads: their indices among the mods' buffers)."""
+    names = _buffer_names(score, mask)
+    return tuple(names[i] for i in buffer_grads)
+
+
+def _as_returned(grads: tuple, q: Tensor, k: Tensor, v: Tensor, wanted: tuple[str, ...]):
+    """A backward's (dq, dk, dv, {name: buffer gradient}) as the ops return it: each gradient in its input's layout,
+    the buffers' gradients as a list in `wanted`'s order."""
+    dq, dk, dv, by_name = grads
     dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return dq, dk, dv, [grads[n] for n in wanted]
+    return dq, dk, dv, [by_name[n] for n in wanted]
 
 
 def _unfused_backward(q, k, v, grad_out, grad_lse, masks, buffers, scale, var, need, buffer_grads):
@@ -293,8 +305,8 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, call, q, k, v, *buffers):
         masks, scale, key, dropout_p, rng, return_max, unfused, planned = call
         if planned is not None:  # a planned call (eager_plans.py)
-            out, lse, *rest = planned.forward.run(q, k, v)
-            row_max = rest[0] if rest else q.new_empty(0, dtype=torch.float32)
+            out, lse, row_max = planned.forward.run(q, k, v)
+            row_max = q.new_empty(0, dtype=torch.float32) if row_max is None else row_max
         else:
             out, lse, row_max = _forward(q, k, v, masks, list(buffers), scale, key, dropout_p, rng, return_max, unfused)
         ctx.mark_non_differentiable(row_max)
@@ -369,8 +381,7 @@ class PlannedCall:
         launch = self.backwards.get(key)
         var = variant(variant_key)
         score, mask = var.bind(buffers)
-        names = _buffer_names(score, mask)
-        wanted = tuple(names[i] for i in buffer_grads)
+        wanted = _wanted_names(score, mask, buffer_grads)
         if launch is None:
             bm = _block_mask(var, masks, q, k)
             launch = _backward_pass.prepare_backward(q, k, v, out, grad_out, score, bm, mask, resolve_scale(scale, q),
@@ -378,9 +389,7 @@ class PlannedCall:
             if len(self.backwards) >= self.MAX_BACKWARDS:
                 self.backwards.clear()
             self.backwards[key] = launch
-        dq, dk, dv, grads = launch.run(q, k, v, out, lse, grad_out, grad_lse)
-        dq, dk, dv = (None if g is None else _in_layout_of(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
-        return dq, dk, dv, [grads[n] for n in wanted]
+        return _as_returned(launch.run(q, k, v, out, lse, grad_out, grad_lse), q, k, v, wanted)
 
 
 def eager_plan_parts(q, k, v, masks, buffers, scale: float, variant_key: str, return_max: bool):

@@ -54,7 +54,7 @@ def reference_launches(monkeypatch) -> list[str]:
     def prepare_forward(q, k, v, score, bm, mask, scale, kernel_options, dropout_p=0.0, max_scores=False):
         made.append("fwd")
         return ReferenceLaunch((score, bm, mask, scale, kernel_options),
-                                lambda q, k, v, *a: reference_forward(q, k, v, *a))
+                               lambda q, k, v, *a: (*reference_forward(q, k, v, *a), None))
 
     def prepare_backward(q, k, v, out, grad_out, score, bm, mask, scale, kernel_options, needs, grad_buffers=(),
                          dropout_p=0.0):

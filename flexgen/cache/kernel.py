@@ -92,7 +92,7 @@ class CompiledKernel:
         Structure (or bytes), passed by value as the kernel's single argument."""
         if isinstance(params, (bytes, bytearray)):
             params = ctypes.create_string_buffer(bytes(params), len(params))
-        self.launch_dim3(_dim3(grid), _dim3(block), int(shared_mem), int(stream_ptr), params)
+        self.launch_dim3(dim3(grid), dim3(block), int(shared_mem), int(stream_ptr), params)
 
     def launch_dim3(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream_ptr: int,
                     params: ctypes.Structure) -> None:
@@ -120,7 +120,8 @@ def make_context_current() -> int:
     return index
 
 
-def _dim3(d) -> tuple[int, int, int]:
+def dim3(d) -> tuple[int, int, int]:
+    """A grid or block size (an int or up to three) as three ints."""
     if isinstance(d, int):
         return d, 1, 1
     d = tuple(int(x) for x in d)

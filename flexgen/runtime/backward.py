@@ -38,9 +38,9 @@ import torch
 from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments, rows_aligned
-from .call_checks import dim_order, empty_like_layout
-from ..dropout import dropout_threshold
-from .forward import LOG2E, bh_strides
+from .call_checks import empty_like_layout
+from ..cache.kernel import dim3
+from .forward import LOG2E, bh_strides, set_dropout_rate
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .schedule import sm_count
@@ -225,8 +225,8 @@ class BackwardLaunch:
         pre.dq_split_stride = split_stride
         pre.q_len, pre.q_len_padded, pre.num_heads, pre.num_splits = q_len, q_len_padded, heads, splits
         pre.mod = empty_args
-        self.pre_grid = _dim3((q_len_padded // pre_spec.block_m, heads, batch))  # (the padding rows too)
-        self.pre_threads = _dim3(families.of(pre_spec).threads_per_cta(pre_spec))
+        self.pre_grid = dim3((q_len_padded // pre_spec.block_m, heads, batch))  # (the padding rows too)
+        self.pre_threads = dim3(families.of(pre_spec).threads_per_cta(pre_spec))
 
         # 2. the main kernel
         self.kernel = get_kernel(spec)
@@ -236,7 +236,7 @@ class BackwardLaunch:
         # Gradients in their input's dimension order, as PyTorch's; where the copy engine stores them (sm90, not
         # deterministic) and cannot store into that layout, into a contiguous stand-in, copied after the kernel.
         tma_gradients = family.tensor_maps and not deterministic
-        dk, dv = (_meta_layout(t, (batch, kv_heads, kv_len, d), query.dtype) for t in (key, value))
+        dk, dv = (empty_like_layout(t, (batch, kv_heads, kv_len, d), query.dtype, "meta") for t in (key, value))
         self.stand_ins = (tma_gradients and want_dk and not rows_aligned(dk),
                           tma_gradients and want_dv and not rows_aligned(dv))
         dk, dv = (_meta_copy(t) if stand_in else t for t, stand_in in zip((dk, dv), self.stand_ins))
@@ -258,19 +258,18 @@ class BackwardLaunch:
             mask_lists = (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
         p.num_kv_tiles = num_kv_tiles
         if spec.dropout:
-            p.dropout_p, p.dropout_threshold, p.dropout_scale = (dropout_p, dropout_threshold(dropout_p),
-                                                                 1.0 / (1.0 - dropout_p))
+            set_dropout_rate(p, dropout_p)
         if not grad_buffers:
             p.mod = self._pack({})
         p.batch, p.kv_heads = batch, kv_heads
         grid, schedule = family.backward_grid(spec, p, query, key, num_kv_tiles, splits, bm)
-        self.grid, self.threads = _dim3(grid), _dim3(family.threads_per_cta(spec))
+        self.grid, self.threads = dim3(grid), dim3(family.threads_per_cta(spec))
         self.do_rows = spec.block_m
         self.shared_memory = int(shared_memory_bytes(self.kernel))
         self._keep = (mask_lists, self.buffers, schedule, p.mod if not grad_buffers else None)
         self.maps = None
         if family.tensor_maps:
-            dq_accum = _meta_layout(None, (splits, batch, heads, q_len, d), torch.float32)[0]
+            dq_accum = torch.empty(batch, heads, q_len, d, dtype=torch.float32, device="meta")  # (one split)
             self.maps = (map_layout(q, spec.block_m), map_layout(k, spec.block_n), map_layout(v, spec.block_n),
                          map_layout(dq_accum, DQ_BOX_ROWS) if want_dq and not deterministic else None,
                          map_layout(dk, DKV_BOX_ROWS) if tma_gradients and want_dk else None,
@@ -280,13 +279,13 @@ class BackwardLaunch:
         if want_dq:
             self.post_kernel = get_kernel(post_spec)
             post = self.post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
-            post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = _meta_layout(query, query.shape).stride()[:3]
+            post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = empty_like_layout(query, device="meta").stride()[:3]
             post.dq_split_stride = split_stride
             post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
             post.scale = scale
             post.mod = empty_args
-            self.post_grid = _dim3((-(-q_len // post_spec.block_m), heads, batch))
-            self.post_threads = _dim3(families.of(post_spec).threads_per_cta(post_spec))
+            self.post_grid = dim3((-(-q_len // post_spec.block_m), heads, batch))
+            self.post_threads = dim3(families.of(post_spec).threads_per_cta(post_spec))
 
     def _buffer_grads(self) -> tuple[dict, torch.Tensor | None]:
         """The zeroed tensors the kernel adds the buffers' gradients into, by name, and in deterministic mode the
@@ -391,25 +390,6 @@ def _dq_accumulator(splits: int, batch: int, heads: int, q_len: int, d: int, dev
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:
     """The layout of kernel_ready's (or a stand-in's) copy of t: contiguous, on the meta device."""
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-def _meta_layout(like: torch.Tensor | None, shape, dtype=None) -> torch.Tensor:
-    """empty_like_layout(like, shape, dtype) on the meta device (contiguous without `like`): its strides alone."""
-    if like is None or like.is_contiguous():
-        return torch.empty(shape, dtype=dtype or (like.dtype if like is not None else None), device="meta")
-    return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device="meta")
-
-
-def _dim3(d) -> tuple[int, int, int]:
-    d = (d,) if isinstance(d, int) else tuple(d)
-    return tuple(int(x) for x in (*d, 1, 1)[:3])
-
-
-def _tma_storable(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t, or a contiguous stand-in where the copy engine cannot store into t's layout (rows_aligned)."""
-    if t is None or rows_aligned(t):
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _copied_into(out: torch.Tensor | None, written: torch.Tensor | None) -> torch.Tensor | None:

@@ -115,9 +115,11 @@ def dim_order(t: torch.Tensor) -> list[int]:
     return sorted(range(t.dim() - 1), key=outer_first) + [t.dim() - 1]
 
 
-def empty_like_layout(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-    """An empty tensor of `shape` (default like's) laid out in like's dimension order."""
+def empty_like_layout(like: torch.Tensor, shape=None, dtype=None, device=None) -> torch.Tensor:
+    """An empty tensor of `shape` (default like's) laid out in like's dimension order, on like's device (or
+    `device`: "meta" for the layout alone)."""
     shape = tuple(like.shape if shape is None else shape)
+    device = like.device if device is None else device
     if like.is_contiguous():  # the common case, without working out the order
-        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
-    return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=like.device)
+        return torch.empty(shape, dtype=dtype or like.dtype, device=device)
+    return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=device)

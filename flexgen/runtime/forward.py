@@ -10,6 +10,7 @@ import torch
 
 from ..blockmask import BlockMask
 from ..cache.jit import get_kernel
+from ..cache.kernel import dim3
 from ..codegen.cstruct import pack_mod_args
 from ..codegen.lower import lower_mods
 from ..codegen.params import FWD_PARAMS
@@ -18,7 +19,7 @@ from ..dropout import check_dropout, dropout_threshold
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
-from .call_checks import check_block_grid, dim_order, empty_like_layout
+from .call_checks import check_block_grid, empty_like_layout
 from .coarse_rows import coarse_rows
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
@@ -65,11 +66,16 @@ def forward_params(spec: KernelSpec, mod_args, q, k, v, out_strides: tuple[int, 
             p.fkvn_stride_b, p.fkvn_stride_h, p.fkvn_stride_q = bh_strides(block_mask.full_kv_num_blocks, batch, heads)
             p.fkvi_stride_b, p.fkvi_stride_h, p.fkvi_stride_q = bh_strides(block_mask.full_kv_indices, batch, heads)
     if spec.dropout:
-        p.dropout_p, p.dropout_threshold, p.dropout_scale = (dropout_p, dropout_threshold(dropout_p),
-                                                             1.0 / (1.0 - dropout_p))
+        set_dropout_rate(p, dropout_p)
     p.mod = mod_args
     p.batch = batch
     return p
+
+
+def set_dropout_rate(p, dropout_p: float) -> None:
+    """The dropout members of a FwdParams / BwdParams instance but the Philox seed and offset (dropout_p > 0,
+    validated), which change per call."""
+    p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
 class ForwardLaunch:
@@ -82,15 +88,14 @@ class ForwardLaunch:
     def __init__(self, kernel, spec: KernelSpec, params, grid: tuple, copies: tuple[bool, bool, bool], keep: tuple):
         self.kernel, self.spec, self.family = kernel, spec, families.of(spec)
         self.params, self.copies, self._keep = params, copies, keep
-        self.grid = tuple(int(x) for x in (*grid, 1, 1)[:3])
-        self.threads = (int(self.family.threads_per_cta(spec)), 1, 1)
+        self.grid, self.threads = dim3(grid), dim3(self.family.threads_per_cta(spec))
         self.shared_memory = int(shared_memory_bytes(kernel))
         self.writes_max = bool(spec.option("max_scores", False))
         self._maps: tuple | None = None  # (q, k, v, o) MapLayouts, made at the first run
 
     def run(self, query, key, value, philox: tuple[int, int] | None = None):
-        """(out, lse) of these inputs, of the layout the launch was planned for; (out, lse, max_scores) where the
-        kernel writes max_scores; philox (seed, offset) where it was planned with dropout."""
+        """(out, lse, max_scores) of these inputs, of the layout the launch was planned for; max_scores None unless
+        the kernel writes it; philox (seed, offset) where it was planned with dropout."""
         q, k, v = query, key, value
         if self.copies != (False, False, False):
             q, k, v = (kernel_ready(t) if copy else t for t, copy in zip((query, key, value), self.copies))
@@ -114,7 +119,7 @@ class ForwardLaunch:
         stream = torch.cuda.current_stream(query.device)
         self.family.stream_fields(p, stream)
         self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream.cuda_stream, p)
-        return (out, lse) if row_max is None else (out, lse, row_max)
+        return out, lse, row_max
 
 
 def prepare_forward(query, key, value, score: Mod | None, bm: BlockMask | None, mask: Mod | None, scale: float,
@@ -137,20 +142,13 @@ def _launch_for(spec: KernelSpec, bm, query, key, value, score, mask, scale: flo
     buffers, params = mod_arguments(score, mask, query.device)
     mod_args = pack_mod_args(lower_mods(spec), buffers, params)
     q, k, v = kernel_ready(query), kernel_ready(key), kernel_ready(value)
-    p = forward_params(spec, mod_args, q, k, v, _output_strides(query), scale, bm, dropout_p)
+    out_strides = empty_like_layout(query, device="meta").stride()  # (the output run allocates)
+    p = forward_params(spec, mod_args, q, k, v, out_strides, scale, bm, dropout_p)
     grid, schedule = families.of(spec).forward_grid(spec, p, q, k, bm)
     copies = tuple(t is not r for t, r in ((query, q), (key, k), (value, v)))
     mask_lists = () if bm is None else tuple(getattr(bm, f) for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                                                                          "full_kv_indices"))
     return ForwardLaunch(kernel, spec, p, grid, copies, (mask_lists, buffers, mod_args, schedule))
-
-
-def _output_strides(query) -> tuple[int, ...]:
-    """The strides of the output ForwardLaunch.run allocates (empty_like_layout: the query's dimension order)."""
-    b, h, lq, d = query.shape
-    if query.is_contiguous():
-        return (h * lq * d, lq * d, d, 1)
-    return torch.empty_permuted((b, h, lq, d), dim_order(query), device="meta").stride()
 
 
 def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:
@@ -189,4 +187,6 @@ def forward_call(query, key, value, score: Mod | None, bm: BlockMask | None, mas
         out = empty_like_layout(query, (b, h, lq, d))
         lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
         return (out, lse) if not max_scores else (out, lse, torch.empty_like(lse))
-    return _launch_for(spec, bm, query, key, value, score, mask, scale, dropout_p).run(query, key, value, philox)
+    out, lse, row_max = _launch_for(spec, bm, query, key, value, score, mask, scale, dropout_p).run(query, key, value,
+                                                                                                  philox)
+    return (out, lse) if not max_scores else (out, lse, row_max)
