@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -227,3 +228,24 @@ def test_entries_size_and_clear(compiles):
     assert store.entries() == []
     jit.clear_memory()
     compile_spec(spec_for("ls1"), FIXTURES)  # rendering still works after the cache folder was removed
+
+
+def _header_tables_end(image: bytes) -> int:
+    ph_off, sh_off = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_num, sh_size, sh_num = struct.unpack_from("<HHHH", image, 0x36)
+    return max(ph_off + ph_size * ph_num, sh_off + sh_size * sh_num)
+
+
+def test_stored_cubin_is_a_whole_elf_image(compiles):
+    # cupy's getCUBIN drops the image's last byte; tools that read the stored file need all of it
+    kernel = compile_spec(spec_for("whole-elf"), FIXTURES)
+    stored = (kernel.path / "kernel.cubin").read_bytes()
+    assert stored[:4] == b"\x7fELF" and stored == kernel.cubin
+    assert _header_tables_end(stored) <= len(stored)
+
+
+def test_whole_cubin_leaves_complete_and_foreign_images_alone():
+    kernel = compile_spec(spec_for("whole-elf-2"), FIXTURES)
+    assert nvrtc.whole_cubin(kernel.cubin) == kernel.cubin
+    assert nvrtc.whole_cubin(kernel.cubin[:-1]) == kernel.cubin  # the top byte of a header field is zero
+    assert nvrtc.whole_cubin(b"not an elf image") == b"not an elf image"

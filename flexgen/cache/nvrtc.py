@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -63,6 +64,23 @@ def _log_text(raw) -> str:
     return raw.rstrip("\x00")
 
 
+def _elf_extent(image: bytes) -> int:
+    """Bytes an ELF64 image spans by its header: the end of its program and section header tables."""
+    if len(image) < 64 or image[:4] != b"\x7fELF" or image[4] != 2:
+        return len(image)
+    ph_off, sh_off = struct.unpack_from("<QQ", image, 0x20)
+    ph_size, ph_num, sh_size, sh_num = struct.unpack_from("<HHHH", image, 0x36)
+    return max(len(image), ph_off + ph_size * ph_num, sh_off + sh_size * sh_num)
+
+
+def whole_cubin(image: bytes) -> bytes:
+    """The cubin NVRTC produced. cupy's getCUBIN drops the last byte, as if the image were a NUL-terminated
+    string; that byte is the top byte of the last header table's last field, zero. The driver loads the short image
+    (a bytes object is followed by a NUL), but cuobjdump, nvdisasm and readelf reject the file it is stored as."""
+    missing = _elf_extent(image) - len(image)
+    return image + b"\x00" * missing if 0 < missing <= 8 else image
+
+
 def _run(source: str, options: list[str], name: str, want: str):
     nvrtc = _nvrtc()
     start = time.perf_counter()
@@ -82,7 +100,7 @@ def _run(source: str, options: list[str], name: str, want: str):
 def compile(source: str, options: list[str], name: str = "kernel.cu") -> CompileOutput:
     """Source -> cubin; raises CompilerFailure (with the log) when NVRTC rejects it."""
     cubin, log, seconds = _run(source, options, name, "cubin")
-    return CompileOutput(bytes(cubin), log, seconds)
+    return CompileOutput(whole_cubin(bytes(cubin)), log, seconds)
 
 
 def ptx(source: str, options: list[str], name: str = "kernel.cu") -> str:
