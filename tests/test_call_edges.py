@@ -86,7 +86,7 @@ def test_backward_hands_grad_out_through_kernel_ready(monkeypatch):
     seen = []
     monkeypatch.setattr(backward, "kernel_ready", lambda t: seen.append(t) or kernel_ready(t))
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: (_ for _ in ()).throw(_Stop()))  # before any launch
+    monkeypatch.setattr(backward, "current_stream_ptr", lambda *a, **k: (_ for _ in ()).throw(_Stop()))  # before any launch
     q = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
     grad_out = torch.as_strided(torch.randn(1 << 14, dtype=torch.bfloat16), q.shape, q.stride(), 997)
     launch = object.__new__(backward.BackwardLaunch)  # (planned for aligned inputs; the gradient's layout is free)

@@ -331,10 +331,12 @@ def test_sm90_tile_counter_is_left_zero():
 
     check_variant("document", Shape(4, 8, 2049, 2049), 128, torch.bfloat16, kernel_options=SM90)
     torch.cuda.synchronize()
-    assert int(tile_counter(torch.cuda.current_stream()).item()) == 0
+    s = torch.cuda.current_stream()
+    assert int(tile_counter(s.device, s.cuda_stream).item()) == 0
     check_variant("causal", Shape(3, 5, 1500, 1500), 64, torch.bfloat16, kernel_options=SM90)
     torch.cuda.synchronize()
-    assert int(tile_counter(torch.cuda.current_stream()).item()) == 0
+    s = torch.cuda.current_stream()
+    assert int(tile_counter(s.device, s.cuda_stream).item()) == 0
 
 
 @gpu

@@ -44,6 +44,7 @@ from .forward import LOG2E, bh_strides, set_dropout_rate
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
 from .schedule import sm_count
+from .streams import current_stream_ptr
 from .tensor_maps import map_layout, tile_map
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
@@ -321,7 +322,7 @@ class BackwardLaunch:
         kv_heads, kv_len = key.shape[1], key.shape[2]
         device = self.device
         with torch.cuda.device(device):  # kernels launch on the current device
-            stream = torch.cuda.current_stream(device).cuda_stream
+            stream = current_stream_ptr(device)
             # lse and delta as the main kernel reads them (see ROWS_ALIGN); the preprocess writes every element.
             delta = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
             lse_padded = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)

@@ -90,8 +90,8 @@ class Family:
         batch, heads, q_len, _ = q.shape
         return (-(-q_len // spec.block_m), heads, batch), ()
 
-    def stream_fields(self, p, stream) -> None:
-        """Fills the FwdParams fields that depend on the stream the forward launches on."""
+    def stream_fields(self, p, device, stream: int) -> None:
+        """Fills the FwdParams fields that depend on the stream (a raw pointer) the forward launches on."""
 
     def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int,
                       block_mask=None) -> tuple[tuple, tuple]:
@@ -287,8 +287,8 @@ class SM90(Family):
         grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
         return grid, (order,)
 
-    def stream_fields(self, p, stream) -> None:
-        p.tile_counter = tile_counter(stream).data_ptr()
+    def stream_fields(self, p, device, stream: int) -> None:
+        p.tile_counter = tile_counter(device, stream).data_ptr()
 
     def backward_grid(self, spec: KernelSpec, p, q, k, num_kv_tiles: int, splits: int,
                       block_mask=None) -> tuple[tuple, tuple]:

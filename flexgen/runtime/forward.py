@@ -23,6 +23,7 @@ from .call_checks import check_block_grid, empty_like_layout
 from .coarse_rows import coarse_rows
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
+from .streams import current_stream_ptr
 from .tensor_maps import map_layout
 
 LOG2E = 1.4426950408889634
@@ -116,9 +117,9 @@ class ForwardLaunch:
         if self.writes_max:
             row_max = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
             p.max_scores = row_max.data_ptr()
-        stream = torch.cuda.current_stream(query.device)
-        self.family.stream_fields(p, stream)
-        self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream.cuda_stream, p)
+        stream = current_stream_ptr(query.device)
+        self.family.stream_fields(p, query.device, stream)
+        self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream, p)
         return out, lse, row_max
 
 

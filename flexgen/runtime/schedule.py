@@ -107,15 +107,16 @@ def head_chunk(pairs: int, kv_len: int, head_dim: int, elem_bytes: int, kv_group
 _counters: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def tile_counter(stream: torch.cuda.Stream) -> torch.Tensor:
-    """A zeroed int32 the sm90 forward, launched on `stream` (the current one), draws work tiles from. The
+def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
+    """A zeroed int32 the sm90 forward, launched on `stream` (the current one of `device`, a raw pointer), draws
+    work tiles from. The
     kernel leaves it zero when it ends, so one counter serves every launch on a stream (launches on one
     stream never overlap); each stream has its own. Under CUDA graph capture a fresh one is made, its
     zeroing captured with the graph."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=stream.device)
-    key = (stream.device_index, stream.cuda_stream)
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, stream)
     counter = _counters.get(key)
     if counter is None:
-        counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=stream.device)
+        counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
