@@ -152,6 +152,23 @@ def test_tile_choice():
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64
 
 
+@pytest.mark.parametrize("name, dropout, want", [
+    ("softcap_causal", False, True), ("alibi_causal", False, True), ("relative_bias", False, True),
+    ("none", False, False), ("causal", False, False),
+    ("document", False, False),  # a mask that reads buffers keeps the FADDs (the consumers' spills rose)
+    ("softcap_causal", True, False),  # dropout's normaliser is the sum of the P before dropping
+])
+@pytest.mark.parametrize("D", [64, 128])
+def test_row_sums_on_the_tensor_cores_only_with_a_score_mod(name, dropout, want, D):
+    """With a score_mod the forward sums P's rows by a product with a tile of ones beside P V; everywhere else by
+    FADDs, which the measurements favoured there (docs/forward-sm90.md)."""
+    score, mask = cpu_variants()[name]
+    spec = make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=dropout,
+                     mask_block=(128, 128) if mask is not None else None, **SM90)
+    source = render(spec)
+    assert f"constexpr bool TENSOR_ROW_SUMS = {'true' if want else 'false'};" in source
+
+
 # ---------------------------------------------------------------- on a Hopper GPU
 
 
