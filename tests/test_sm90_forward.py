@@ -154,14 +154,14 @@ def test_tile_choice():
 
 @pytest.mark.parametrize("name, dropout, want", [
     ("softcap_causal", False, True), ("alibi_causal", False, True), ("relative_bias", False, True),
-    ("none", False, False), ("causal", False, False),
+    ("none", False, True), ("causal", False, True),
     ("document", False, False),  # a mask that reads buffers keeps the FADDs (the consumers' spills rose)
     ("softcap_causal", True, False),  # dropout's normaliser is the sum of the P before dropping
 ])
 @pytest.mark.parametrize("D", [64, 128])
-def test_row_sums_on_the_tensor_cores_only_with_a_score_mod(name, dropout, want, D):
-    """With a score_mod the forward sums P's rows by a product with a tile of ones beside P V; everywhere else by
-    FADDs, which the measurements favoured there (docs/forward-sm90.md)."""
+def test_which_forwards_sum_rows_on_the_tensor_cores(name, dropout, want, D):
+    """The forward sums P's rows by a product with a tile of ones beside P V, but with dropout or a mask that reads
+    buffers by FADDs (docs/forward-sm90.md)."""
     score, mask = cpu_variants()[name]
     spec = make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=dropout,
                      mask_block=(128, 128) if mask is not None else None, **SM90)
