@@ -372,23 +372,24 @@ class PlannedCall:
         extra = {"max_scores": True} if return_max else {}
         self.forward = _forward_pass.prepare_forward(q, k, v, score, bm, mask, resolve_scale(scale, q),
                                                      var.kernel_options, **extra)
-        self.backwards: dict[tuple, object] = {}
+        self.backwards: dict[tuple, tuple] = {}  # key -> (BackwardLaunch, names of the gradients wanted)
 
     def backward(self, q, k, v, out, lse, grad_out, grad_lse, masks, buffers, scale, variant_key, need: tuple,
                  buffer_grads: list):
         """_backward_impl's result, through the BackwardLaunch of this output gradient's layout."""
         key = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.data_ptr() % 16, need, tuple(buffer_grads))
-        launch = self.backwards.get(key)
-        var = variant(variant_key)
-        score, mask = var.bind(buffers)
-        wanted = _wanted_names(score, mask, buffer_grads)
-        if launch is None:
+        hit = self.backwards.get(key)
+        if hit is None:  # (the variant is bound and the names found once per key, not per step)
+            var = variant(variant_key)
+            score, mask = var.bind(buffers)
+            wanted = _wanted_names(score, mask, buffer_grads)
             bm = _block_mask(var, masks, q, k)
             launch = _backward_pass.prepare_backward(q, k, v, out, grad_out, score, bm, mask, resolve_scale(scale, q),
                                                      var.kernel_options, need, wanted)
             if len(self.backwards) >= self.MAX_BACKWARDS:
                 self.backwards.clear()
-            self.backwards[key] = launch
+            hit = self.backwards[key] = (launch, wanted)
+        launch, wanted = hit
         return _as_returned(launch.run(q, k, v, out, lse, grad_out, grad_lse), q, k, v, wanted)
 
 

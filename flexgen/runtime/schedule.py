@@ -109,10 +109,9 @@ _counters: dict[tuple[int, int], torch.Tensor] = {}
 
 def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     """A zeroed int32 the sm90 forward, launched on `stream` (the current one of `device`, a raw pointer), draws
-    work tiles from. The
-    kernel leaves it zero when it ends, so one counter serves every launch on a stream (launches on one
-    stream never overlap); each stream has its own. Under CUDA graph capture a fresh one is made, its
-    zeroing captured with the graph."""
+    work tiles from. The kernel leaves it zero when it ends, so one counter serves every launch on a stream
+    (launches on one stream never overlap); each stream has its own. Under CUDA graph capture a fresh one is
+    made, its zeroing captured with the graph."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (device.index, stream)
