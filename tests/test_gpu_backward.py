@@ -452,8 +452,8 @@ def test_deterministic_buffer_grads_memory_bound(monkeypatch):
 @gpu
 @pytest.mark.parametrize("q_len,deterministic", [(200, False), (128, False), (1, True)])
 def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic):
-    """The preprocess kernel writes every element of the padded lse and delta (runtime/backward.ROWS_ALIGN), 0 past
-    q_len, lse bit for bit (-inf too), delta = rowsum(dO * O) in fp32, and zeroes each split's dQ accumulator; the
+    """The preprocess kernel writes every element of the padded lse (in log2 units) and delta
+    (runtime/backward.ROWS_ALIGN), 0 past q_len, lse * log2(e) bit for bit (+inf for -inf), delta = rowsum(dO * O) in fp32, and zeroes each split's dQ accumulator; the
     outputs start as NaN, so an element it skips shows."""
     from flexgen.runtime import backward as bw
 
@@ -469,13 +469,15 @@ def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic):
     assert launch.splits > 1 or not deterministic
     padded = bw.padded_rows(q_len)
     delta = torch.full((B, H, padded), float("nan"), device=DEV)
-    lse_padded = torch.full_like(delta, float("nan"))
+    lse_log2 = torch.full_like(delta, float("nan"))
     dq_accum = torch.full((launch.splits, B, H, q_len, D), float("nan"), device=DEV)
-    launch.preprocess(o, do, lse, delta, lse_padded, dq_accum, torch.cuda.current_stream().cuda_stream)
+    launch.preprocess(o, do, lse, delta, lse_log2, dq_accum, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert padded % 128 == 0 and padded >= q_len
-    assert torch.equal(lse_padded[..., :q_len], lse)
-    assert torch.count_nonzero(lse_padded[..., q_len:]) == 0 and torch.count_nonzero(delta[..., q_len:]) == 0
+    # lse * log2(e) as one fp32 multiply (what the kernels did per score before), +inf where lse is -inf
+    want_log2 = torch.where(torch.isneginf(lse), float("inf"), lse * torch.tensor(math.log2(math.e), dtype=torch.float32))
+    assert torch.equal(lse_log2[..., :q_len], want_log2) and torch.isposinf(lse_log2[0, 1, 0])
+    assert torch.count_nonzero(lse_log2[..., q_len:]) == 0 and torch.count_nonzero(delta[..., q_len:]) == 0
     want = (o.float() * do.float()).sum(-1)
     torch.testing.assert_close(delta[..., :q_len], want, rtol=1e-5, atol=1e-4)
     assert torch.count_nonzero(dq_accum) == 0

@@ -154,7 +154,7 @@ BWD_PARAMS = ParamStruct("BwdParams", (
     _line("const half_bits*", "dout", comment="dO, same layout rules as q"),
     "lse and delta: (B, H, q_len_padded) fp32 from bwd_preprocess, rows past q_len 0 (the sm90 kernel copies a",
     "step's rows of each with one bulk copy, which wants 16-byte aligned addresses and sizes).",
-    _line("const float*", "lse", comment="the forward's lse, natural log; -inf: row saw nothing"),
+    _line("const float*", "lse_log2", comment="the forward's lse times log2(e); +inf: row saw nothing"),
     _line("const float*", "delta", comment="rowsum(dO * O)"),
     _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, not yet scaled; null: dQ not wanted"),
     _line("half_bits*", "dk", comment="(B, H_kv, kv_len, D); null: not wanted"),
@@ -179,13 +179,13 @@ BWD_PARAMS = ParamStruct("BwdParams", (
           comment="sm90 persistent, null or: the work tile of CTA c at turn t at [c + t * gridDim.x], -1: no more"),
 ), map_names=("q_map", "k_map", "v_map", "do_map", "dq_map", "dk_map", "dv_map"))
 
-# sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O) and a copy of lse, both padded (see BwdParams), and a zeroed
+# sm80/bwd_preprocess.cu.j2: delta = rowsum(dO * O) and lse in log2 units, both padded (see BwdParams), and a zeroed
 # dQ accumulator.
 BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (
     _line("const half_bits*", "o", comment="forward output (B, H, q_len, D)"),
     _line("const half_bits*", "dout", comment="its gradient, same shape"),
     _line("const float*", "lse", comment="the forward's (B, H, q_len), contiguous"),
-    _line("float*", "lse_padded", comment="(B, H, q_len_padded) out: lse, rows past q_len 0"),
+    _line("float*", "lse_log2", comment="(B, H, q_len_padded) out: lse * log2(e) (+inf for -inf), rows past q_len 0"),
     _line("float*", "delta", comment="(B, H, q_len_padded) out, rows past q_len 0"),
     _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, zeroed here; null: dQ not wanted"),
     _strides("o"), _strides("do"),

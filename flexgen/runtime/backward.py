@@ -1,6 +1,6 @@
 """The backward pass: three generated kernels, launched in order on torch's current stream.
 
-1. bwd_preprocess   delta = rowsum(dO * O) (fp32) and a copy of lse, both padded to ROWS_ALIGN rows per
+1. bwd_preprocess   delta = rowsum(dO * O) (fp32) and lse * log2(e), both padded to ROWS_ALIGN rows per
                     (batch, head), and zero the fp32 dQ accumulator.
 2. bwd              one CTA per (KV tile, batch, KV head): recompute P, accumulate dK, dV in
                     registers (summed over the query heads of a GQA group), add dQ partials
@@ -58,7 +58,7 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
 DQ_BOX_ROWS = 64
 DKV_BOX_ROWS = 64
 
-# lse and delta reach the main kernels from (B, H, q_len_padded) fp32 buffers, q_len rounded up to ROWS_ALIGN (rows
+# lse (in log2 units) and delta reach the main kernels from (B, H, q_len_padded) fp32 buffers, q_len rounded up to ROWS_ALIGN (rows
 # past q_len 0), written by the preprocess kernel: the sm90 backward copies a step's BLOCK_M rows of each with one bulk
 # copy, whose addresses and size must be multiples of 16 bytes, and never past the buffer's end. ROWS_ALIGN is a
 # multiple of every BLOCK_M of the backward kernels and of the preprocess kernel's rows per CTA.
@@ -299,13 +299,13 @@ class BackwardLaunch:
             return dict(zip(names, _buffer_views(parts[0], names, buffers))), parts
         return {n: torch.zeros(buffers[n].shape, dtype=torch.float32, device=self.device) for n in names}, None
 
-    def preprocess(self, o, do, lse, delta, lse_padded, dq_accum, stream: int) -> None:
-        """The first kernel: delta (B, H, q_len_padded) <- rowsum(dO * O), lse_padded (same shape) <- lse (B, H,
-        q_len, contiguous), both 0 past q_len (every element written), and dq_accum (splits, B, H, q_len, D) zeroed
+    def preprocess(self, o, do, lse, delta, lse_log2, dq_accum, stream: int) -> None:
+        """The first kernel: delta (B, H, q_len_padded) <- rowsum(dO * O), lse_log2 (same shape) <- lse (B, H,
+        q_len, contiguous) * log2(e), +inf for -inf, both 0 past q_len (every element written), and dq_accum (splits, B, H, q_len, D) zeroed
         where given."""
         pre = type(self.pre).from_buffer_copy(self.pre)
         pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
-        pre.lse, pre.lse_padded = lse.data_ptr(), lse_padded.data_ptr()
+        pre.lse, pre.lse_log2 = lse.data_ptr(), lse_log2.data_ptr()
         pre.do_stride_b, pre.do_stride_h, pre.do_stride_l = do.stride()[:3]
         pre.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
         self.pre_kernel.launch_dim3(self.pre_grid, self.pre_threads, 0, stream, pre)
@@ -325,13 +325,13 @@ class BackwardLaunch:
             stream = current_stream_ptr(device)
             # lse and delta as the main kernel reads them (see ROWS_ALIGN); the preprocess writes every element.
             delta = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
-            lse_padded = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
+            lse_log2 = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
             dq_accum = _dq_accumulator(self.splits, batch, heads, q_len, d, device) if want_dq else None
             dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None
             dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None
             do_strides = do.stride()[:3]
 
-            self.preprocess(o, do, lse, delta, lse_padded, dq_accum, stream)
+            self.preprocess(o, do, lse, delta, lse_log2, dq_accum, stream)
             if grad_lse is not None:
                 fold_lse_grad(delta[..., :q_len], lse, grad_lse)
 
@@ -347,7 +347,7 @@ class BackwardLaunch:
                 dv = torch.empty(dv.shape, dtype=dv.dtype, device=device)
             p.q, p.k, p.v, p.dout = q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr()
             p.do_stride_b, p.do_stride_h, p.do_stride_l = do_strides
-            p.lse, p.delta = lse_padded.data_ptr(), delta.data_ptr()
+            p.lse_log2, p.delta = lse_log2.data_ptr(), delta.data_ptr()
             p.dq_accum = dq_accum.data_ptr() if dq_accum is not None else None
             p.dk = dk.data_ptr() if dk is not None else None
             p.dv = dv.data_ptr() if dv is not None else None
@@ -379,7 +379,7 @@ class BackwardLaunch:
                 self.post_kernel.launch_dim3(self.post_grid, self.post_threads, 0, stream, post)
         # The tensors whose addresses the kernels hold stay referenced until here; kernels run in
         # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
-        del delta, lse_padded, dq_accum, grad_parts
+        del delta, lse_log2, dq_accum, grad_parts
         return dq, dk, dv, buffer_grads
 
 
