@@ -131,7 +131,9 @@ __device__ __forceinline__ long long fg_max(long long a, long long b) { return a
 // @section fg_div needs fg_fast
 __device__ __forceinline__ float fg_div(float a, float b) {
 #if FG_FAST_MATH
-    return __fdividef(a, b);
+    // As a multiply by the reciprocal: where b is the same for every score (a captured scalar such as a
+    // softcap), the reciprocal and its range fix-up leave the loop and a score pays one FMUL.
+    return a * __fdividef(1.0f, b);
 #else
     return a / b;
 #endif
