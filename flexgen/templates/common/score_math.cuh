@@ -129,11 +129,14 @@ __device__ __forceinline__ long long fg_max(long long a, long long b) { return a
 #endif
 
 // @section fg_div needs fg_fast
+// FLEXGEN_DIV_BY_RECIPROCAL (the sm90 templates): as a multiply by the reciprocal, so that where b is the same for
+// every score (a captured scalar such as a softcap) the reciprocal and its range fix-up leave the loop and a score
+// pays one FMUL. The sm80 kernels keep the quotient: at 255 registers the hoisted reciprocal spills there.
 __device__ __forceinline__ float fg_div(float a, float b) {
-#if FG_FAST_MATH
-    // As a multiply by the reciprocal: where b is the same for every score (a captured scalar such as a
-    // softcap), the reciprocal and its range fix-up leave the loop and a score pays one FMUL.
+#if FG_FAST_MATH && defined(FLEXGEN_DIV_BY_RECIPROCAL)
     return a * __fdividef(1.0f, b);
+#elif FG_FAST_MATH
+    return __fdividef(a, b);
 #else
     return a / b;
 #endif
