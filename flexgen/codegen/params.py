@@ -185,7 +185,7 @@ BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (
     _line("const half_bits*", "o", comment="forward output (B, H, q_len, D)"),
     _line("const half_bits*", "dout", comment="its gradient, same shape"),
     _line("const float*", "lse", comment="the forward's (B, H, q_len), contiguous"),
-    _line("float*", "lse_log2", comment="(B, H, q_len_padded) out: lse * log2(e) (+inf for -inf), rows past q_len 0"),
+    _line("float*", "lse_log2", comment="(B, H, q_len_padded) out: lse * log2(e), +inf for -inf, 0 past q_len"),
     _line("float*", "delta", comment="(B, H, q_len_padded) out, rows past q_len 0"),
     _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, zeroed here; null: dQ not wanted"),
     _strides("o"), _strides("do"),

@@ -58,10 +58,10 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
 DQ_BOX_ROWS = 64
 DKV_BOX_ROWS = 64
 
-# lse (in log2 units) and delta reach the main kernels from (B, H, q_len_padded) fp32 buffers, q_len rounded up to ROWS_ALIGN (rows
-# past q_len 0), written by the preprocess kernel: the sm90 backward copies a step's BLOCK_M rows of each with one bulk
-# copy, whose addresses and size must be multiples of 16 bytes, and never past the buffer's end. ROWS_ALIGN is a
-# multiple of every BLOCK_M of the backward kernels and of the preprocess kernel's rows per CTA.
+# lse (in log2 units) and delta reach the main kernels from (B, H, q_len_padded) fp32 buffers, q_len rounded up to
+# ROWS_ALIGN (rows past q_len 0), written by the preprocess kernel: the sm90 backward copies a step's BLOCK_M rows of
+# each with one bulk copy, whose addresses and size must be multiples of 16 bytes, and never past the buffer's end.
+# ROWS_ALIGN is a multiple of every BLOCK_M of the backward kernels and of the preprocess kernel's rows per CTA.
 ROWS_ALIGN = 128
 
 
@@ -301,8 +301,8 @@ class BackwardLaunch:
 
     def preprocess(self, o, do, lse, delta, lse_log2, dq_accum, stream: int) -> None:
         """The first kernel: delta (B, H, q_len_padded) <- rowsum(dO * O), lse_log2 (same shape) <- lse (B, H,
-        q_len, contiguous) * log2(e), +inf for -inf, both 0 past q_len (every element written), and dq_accum (splits, B, H, q_len, D) zeroed
-        where given."""
+        q_len, contiguous) * log2(e), +inf for -inf, both 0 past q_len (every element written), and dq_accum
+        (splits, B, H, q_len, D) zeroed where given."""
         pre = type(self.pre).from_buffer_copy(self.pre)
         pre.o, pre.dout, pre.delta = o.data_ptr(), do.data_ptr(), delta.data_ptr()
         pre.lse, pre.lse_log2 = lse.data_ptr(), lse_log2.data_ptr()
