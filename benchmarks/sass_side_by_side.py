@@ -1,0 +1,113 @@
+"""The SASS of flexgen's sm90 kernel and FlashAttention-4's for the same case, both built without a GPU, with each
+basic block's instruction count and opcode mix: the comparison docs/backward.md asks for, at no device time.
+
+    python3 benchmarks/sass_side_by_side.py --kind bwd --variant causal --fa4-python /tmp/fa4venv/bin/python
+
+flexgen's kernel comes from this tree (NVRTC, through flexgen's kernel cache). FA4's comes from its own CPU-only path
+(FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a, fake CUDA tensors), run in `--fa4-python`: a Python with
+flash-attn-4 and nvidia-cutlass-dsl installed (both have CPU wheels; for Python 3.11 take the cp311 ones of the
+versions benchmarks/fa4_setup.sh names, plus triton). nvdisasm comes from pip's nvidia-cuda-nvdisasm
+(`--nvdisasm`). Blocks of fewer than `--min-block` instructions are left out of the listing; `--out DIR` keeps
+both disassemblies.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Runs in FA4's Python: compiles one forward and one backward on fake CUDA tensors, keeping the cubins.
+FA4_COMPILE = """
+import sys, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+causal, d = sys.argv[1] == "causal", int(sys.argv[2])
+with FakeTensorMode(allow_non_fake_inputs=True):
+    q, k, v, do = (torch.empty(2, 8192, 16, d, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    out, lse = _flash_attn_fwd(q, k, v, causal=causal, return_lse=True)[:2]
+    _flash_attn_bwd(q, k, v, out, do, lse, causal=causal)
+"""
+
+
+def basic_blocks(sass: str) -> list[tuple[str, list[str]]]:
+    """(label, opcodes) per basic block of nvdisasm's output; predicates dropped, modifiers kept off."""
+    blocks: list[tuple[str, list[str]]] = [("entry", [])]
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            blocks.append((label.group(1), []))
+        elif line.strip().startswith("/*") and "*/" in line and ";" in line:
+            words = [w for w in line.split("*/", 1)[1].split() if not w.startswith("@")]
+            if words:
+                blocks[-1][1].append(words[0].rstrip(";").split(".")[0])
+    return blocks
+
+
+def report(name: str, sass: str, min_block: int) -> None:
+    blocks = basic_blocks(sass)
+    print(f"== {name}: {sum(len(ops) for _, ops in blocks)} instructions in {len(blocks)} blocks")
+    for label, ops in blocks:
+        if len(ops) >= min_block:
+            mix = collections.Counter(ops).most_common(10)
+            print(f"  {label:10s} {len(ops):5d}  " + " ".join(f"{op}={n}" for op, n in mix))
+
+
+def flexgen_cubin(kind: str, variant: str, head_dim: int) -> bytes:
+    from flexgen import variants as V
+    from flexgen.cache import jit
+    from flexgen.codegen.api import make_spec
+
+    mask = V.causal if variant == "causal" else None
+    spec = make_spec(kind, None, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
+                     mask_block=(128, 128) if mask is not None else None, family="sm90")
+    return jit.get_kernel(spec).cubin
+
+
+def fa4_cubin(kind: str, variant: str, head_dim: int, python: str, dump: Path) -> bytes:
+    env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
+               CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DUMP_DIR=str(dump))
+    subprocess.run([python, "-c", FA4_COMPILE, variant, str(head_dim)], env=env, cwd=dump, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    found = sorted(dump.glob(f"*flash_{kind}_sm90FlashAttention*.cubin"))
+    if not found:
+        sys.exit(f"FA4 wrote no {kind} cubin into {dump}")
+    return found[-1].read_bytes()
+
+
+def disassemble(cubin: bytes, nvdisasm: str, keep: Path | None, name: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+    if keep is not None:
+        (keep / f"{name}.sass").write_text(sass)
+    return sass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kind", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--variant", choices=("full", "causal"), default="causal")
+    p.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    p.add_argument("--fa4-python", required=True, help="a Python with flash-attn-4 and nvidia-cutlass-dsl")
+    p.add_argument("--nvdisasm", default="nvdisasm")
+    p.add_argument("--min-block", type=int, default=25)
+    p.add_argument("--out", type=Path, default=None, help="keep both disassemblies here")
+    args = p.parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    ours = flexgen_cubin(args.kind, args.variant, args.head_dim)
+    with tempfile.TemporaryDirectory() as dump:
+        theirs = fa4_cubin(args.kind, args.variant, args.head_dim, args.fa4_python, Path(dump))
+    case = f"{args.kind} {args.variant} D={args.head_dim}"
+    report(f"flexgen {case}", disassemble(ours, args.nvdisasm, args.out, "flexgen"), args.min_block)
+    report(f"FA4 {case}", disassemble(theirs, args.nvdisasm, args.out, "fa4"), args.min_block)
+
+
+if __name__ == "__main__":
+    main()
