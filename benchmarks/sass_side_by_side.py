@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # flexgen from this tree
+
 # Runs in FA4's Python: compiles one forward and one backward on fake CUDA tensors, keeping the cubins.
 FA4_COMPILE = """
 import sys, torch
