@@ -1081,6 +1081,12 @@ def environment_meta(args):
         meta["flexgen"] = flexgen.__version__
     except Exception as e:
         meta["flexgen"] = f"import failed: {short(e)}"
+    try:  # which compiler built flexgen's kernels: ptxas versions differ in the code they make of one source
+        from flexgen.cache import jit
+
+        meta["compiler"] = jit.backend().version()
+    except Exception as e:
+        meta["compiler"] = f"unavailable: {short(e)}"
     try:
         meta["git"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
     except Exception:
@@ -1288,7 +1294,8 @@ def finish(args, work, records, checks, report):
     lng = long_lines(records)
     errs = error_lines(records)
     meta = report["meta"]
-    head = (f"flexgen benchmark on {meta.get('device', '?')} (torch {meta.get('torch')}, triton {meta.get('triton')}), "
+    head = (f"flexgen benchmark on {meta.get('device', '?')} (torch {meta.get('torch')}, triton {meta.get('triton')}, "
+            f"flexgen's kernels by {meta.get('compiler')}), "
             f"{meta['protocol']}; TFLOP/s over unmasked pairs")
     md = [f"# {head}", "", f"wall time {meta.get('wall_s')} s; warmup {args.warmup} ms, rep {args.rep} ms", ""]
     md += table + [""]
