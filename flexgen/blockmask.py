@@ -285,8 +285,12 @@ class BlockMask:
         return adjusted.derived_from_mask_mod() if self.blocks_follow_mask_mod else adjusted
 
     def _broadcast_to(self, b: int, h: int) -> "BlockMask":
-        """Stride-0 views to (b, h, ...): masks that ignore b and h are stored once."""
-        return self._map_tensors(lambda t: t.expand(b, h, *t.shape[2:]))
+        """The lists copied out to (b, h, ...), as PyTorch's create_block_mask gives them: code written for it views
+        them flat per batch (PagedAttention's `kv_indices.view(B, -1)`), which a stride-0 view refuses. A mask
+        made with B and H of None stays (1, 1, ...)."""
+        if b == 1 and h == 1:
+            return self
+        return self._map_tensors(lambda t: t.expand(b, h, *t.shape[2:]).contiguous())
 
     def _dense(self, counts, indices) -> torch.Tensor:
         return lists_to_dense(counts, indices, self.kv_indices.shape[-1])

@@ -81,7 +81,7 @@ def _trace(fn, kind: str) -> Mod | None:
     if hit is not None:
         mod, paths = hit
         if paths is None:  # found at the first reuse (a function traced once never pays the search)
-            paths = buffer_paths(fn, mod.buffer_tensors)
+            paths = _untraced_buffer_paths(fn, mod.buffer_tensors)
             per_fn[key] = (mod, paths)
         if None not in paths and reaches_buffers(fn, paths, mod.buffer_tensors):
             return mod
@@ -95,6 +95,18 @@ def buffer_paths(fn, tensors) -> tuple:
     """For each tensor a traced function read, the steps from the function to it (_find: closures, globals,
     attributes, a bound method's owner, containers), or None where there is none within _PATH_DEPTH."""
     return tuple(_find(fn, t, 0, set()) for t in tensors)
+
+
+# buffer_paths, or once dynamo is loaded (keep_path_search_out_of_traces) the same never traced: where a compiled
+# call falls back to eager code after a graph break, dynamo compiles each function that code calls as a frame of its
+# own, and the search would make it wrap all of sys.modules, which an import on another thread changes under it.
+_untraced_buffer_paths = buffer_paths
+
+
+def keep_path_search_out_of_traces() -> None:
+    """Called once dynamo is loaded (importing it here would cost every eager user a second)."""
+    global _untraced_buffer_paths
+    _untraced_buffer_paths = torch.compiler.disable(buffer_paths, reason="flexgen's buffer path search is host code")
 
 
 def reaches_buffers(fn, paths: tuple, tensors) -> bool:
@@ -278,13 +290,26 @@ def _check_rebuildable(ctx) -> None:
     _REBUILDABLE[ctx.get_local("site").as_python_constant()] = ok
 
 
+def _guard_ident(x) -> tuple:
+    """Traced by dynamo: what a captured object is guarded on."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return ("value", x)
+    return ("id", id(x))
+
+
 def _compiled_parts(fn, kind: str):
     """Traced by dynamo."""
     func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
     try:
         # Readable only for functions made outside the compiled region. id() makes dynamo guard on
-        # each captured object, which is what the trace depends on (not on the function object).
-        ident = tuple(id(cell.cell_contents) for cell in func.__closure__ or ())
+        # each captured object, which is what the trace depends on (not on the function object); a captured
+        # number or string is guarded on by value (dynamo takes no id() of a constant).
+        cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
+        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) for x in cells):
+            # (a number dynamo made symbolic, compiled with dynamic=True: the function is no constant that
+            # _function_token could take; flex_attention runs it through the eager fallback)
+            return None
+        ident = tuple(_guard_ident(x) for x in cells)
     except AttributeError:
         ident = ()
         site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"

@@ -221,7 +221,7 @@ def test_broadcast_none_b_h():
 
 
 def test_broadcast_b_h_given_but_unused():
-    # a mask that ignores b and h is stored once and broadcast to (B, H)
+    # a mask that ignores b and h is computed once and copied out to (B, H), as PyTorch lays it out
     bm, _ = check_against_brute_force(causal, 4, 8, 512, 512)
     assert bm.shape == (4, 8, 512, 512)
     assert bm.kv_num_blocks.shape[:2] == (4, 8)

@@ -467,3 +467,23 @@ def test_torch_block_mask_passed_as_a_mod():
     q = meta(B, H, 128, D)
     with pytest.raises(TypeError, match="pass it as block_mask="):
         flexgen.flex_attention(q, q, q, score_mod=bm)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 128, 16), (4, 2, 64, 16)])
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (1, 0, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3)])
+def test_output_strides_order_as_the_querys_with_size_one_dims(shape, order):
+    """PyTorch's test compares the ranks of the strides; a size-1 dimension's stride ties with another's."""
+    def ranks(strides):  # inner first; of equal strides the inner dimension first (PyTorch's fill order)
+        fill = sorted(range(4), key=lambda i: (strides[i], -i))
+        return [fill.index(i) for i in range(4)]
+
+    q = torch.empty(shape).permute(order)
+    assert ranks(empty_like_layout(q).stride()) == ranks(q.stride())
+
+
+def test_the_unfused_output_strides_order_as_the_querys_with_a_size_one_dim():
+    q = torch.randn(2, 1, 128, 16).permute(0, 2, 1, 3)  # (2, 128, 1, 16), strides (2048, 16, 2048, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        out = flexgen.flex_attention(q, q, q)
+    assert out.stride() == q.stride()

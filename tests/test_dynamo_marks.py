@@ -45,3 +45,16 @@ def test_the_eager_fallback_exists_once_dynamo_has_traced_a_call():
     attention._checked_options(None)  # what a trace runs for real before it can reach the fallback
     assert attention._flex_attention_eager is not None
     assert attention._flex_attention_eager.__wrapped__ is attention.flex_attention
+
+
+def test_the_buffer_path_search_is_kept_out_of_traces_once_dynamo_has_traced_a_call():
+    """Eager code after a graph break has each function it calls compiled as a frame; the search must not be one."""
+    import flexgen.attention as attention
+    import flexgen.variant as variant
+
+    torch._dynamo.reset()
+    attention._checked_options(None)
+    assert variant._untraced_buffer_paths is not variant.buffer_paths
+    assert variant._untraced_buffer_paths.__wrapped__ is variant.buffer_paths
+    table = torch.randn(4)
+    assert variant._untraced_buffer_paths(lambda s, b, h, q, kv: s + table[q], (table,)) == ((("closure", 0),),)

@@ -48,3 +48,16 @@ def test_refusals_raise_every_time(hopper):
 def test_unhashable_option_values_are_not_cached(hopper):
     with pytest.raises((ValueError, TypeError)):
         make_spec("fwd", _q(), None, V.causal, {"family": ["sm90"]})
+
+
+def test_a_symbolic_head_dim_plans_the_kernel_of_its_value(hopper):
+    """torch.compile(dynamic=True) marks every dim dynamic, the head dim too: the fake kernel plans with its value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    q = mode.from_tensor(torch.empty(2, 4, 256, 64, dtype=torch.bfloat16, device="meta"),
+                         symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4))
+    assert isinstance(q.shape[-1], torch.SymInt)
+    spec = make_spec("fwd", q, None, V.causal, None, mask_block=(128, 128))
+    assert spec.head_dim == 64 and spec.family == "sm90"

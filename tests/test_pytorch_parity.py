@@ -237,3 +237,75 @@ def test_bitwise_not_of_an_integer_wraps_as_torch():
     assert torch.equal(got, (~q_idx & 7) == (kv_idx & 7))
     with pytest.raises(Exception, match="bool or integer operand"):
         flexgen.score_mod(lambda s, b, h, q_idx, kv_idx: ~s)
+
+
+def test_pagedattention_converts_a_flexgen_mask_and_attends_over_its_pages():
+    """PyTorch's PagedAttention views the mask's lists flat per batch (`kv_indices.view(B, -1)`), so a mask made
+    with B and H has them laid out as PyTorch's create_block_mask does; attention over the scattered pages then
+    equals attention over the logical keys."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    b, h, n, d, page = 2, 2, 384, 16, 128
+    mask = flexgen.create_block_mask(flexgen.variants.causal, b, h, n, n, device="cpu")
+    assert mask.kv_indices.is_contiguous() and mask.kv_indices.view(b, -1).shape == (b, h * 3 * 3)
+    pages = PagedAttention(n_pages=2 * b * n // page, page_size=page, max_batch_size=b, device="cpu")
+    for i, length in enumerate((n // 3, n)):  # interleaved reservations scatter the second sequence's pages
+        pages.reserve(torch.tensor(i), torch.tensor(length))
+    pages.reserve(torch.tensor(0), torch.tensor(n))
+    q, k, v = _qkv(b, h, n, n, d)
+    k_cache, v_cache = (torch.zeros(1, h, 2 * b * n, d) for _ in range(2))
+    pages.assign(torch.arange(b), torch.arange(n).expand(b, -1).contiguous(), k, v, k_cache, v_cache)
+    paged_mask = pages.convert_logical_block_mask(mask)
+    out = _quiet(flexgen.flex_attention, q, k_cache, v_cache, block_mask=paged_mask)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    assert not torch.isnan(out).any()
+    assert (out.double() - _dense(q, k, v, visible=visible)).abs().max().item() < 1e-5
+
+
+def test_a_negative_buffer_index_counts_from_the_end_as_torch_indexing_does():
+    """PyTorch's eager FlexAttention indexes captured tensors with torch's indexing, where -1 is the last element
+    (a paged score_mod reads at negative positions for unmapped pages and discards them with a where)."""
+    n = 64
+    table = torch.randn(n, dtype=torch.float64)
+    q, k, v = _qkv(1, 2, n, n)
+    out = _quiet(flexgen.flex_attention, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[kv_idx - 8])
+    assert not torch.isnan(out).any()
+    assert (out.double() - _dense(q, k, v, bias=table[torch.arange(n) - 8])).abs().max().item() < 1e-5
+    with pytest.raises(IndexError, match=r"index range \[-72, -9\] but the size is 64"):
+        _quiet(flexgen.flex_attention, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[kv_idx - 72])
+
+
+def test_a_mask_capturing_numbers_compiles_whole_and_is_guarded_on_their_values():
+    """PyTorch's sliding-window test captures an int; some dynamo versions take no id() of a constant."""
+    from flexgen.variant import _guard_ident
+
+    assert _guard_ident(64) == ("value", 64) and _guard_ident(None) == ("value", None)
+    table = torch.zeros(3)
+    assert _guard_ident(table) == ("id", id(table))
+
+    def sliding(window):
+        return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    q, k, v = _qkv(1, 2, 196, 196)
+    compiled = torch.compile(flexgen.flex_attention, backend="aot_eager", fullgraph=True)
+    for window in (64, 16):
+        mask = flexgen.create_block_mask(sliding(window), None, None, 196, 196, device="cpu")
+        out = _quiet(compiled, q, k, v, block_mask=mask)
+        i = torch.arange(196)
+        visible = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= window)
+        assert (out.double() - _dense(q, k, v, visible=visible)).abs().max().item() < 1e-5
+
+
+def test_a_score_mod_capturing_a_dynamic_size_inside_a_compiled_module():
+    """PyTorch's test_symbol_closure_in_score_mod: the score_mod adds the batch size, a symbol under dynamic=True."""
+    class AddBatch(torch.nn.Module):
+        def forward(self, q, k, v):
+            n = q.shape[0]
+            return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + n)
+
+    model = torch.compile(AddBatch(), dynamic=True, backend="aot_eager")
+    for batch in (2, 3):
+        q, k, v = _qkv(batch, 2, 64, 64)
+        out = _quiet(model, q, k, v)
+        expected = _dense(q, k, v, bias=torch.full((64, 64), float(batch), dtype=torch.float64))
+        assert (out.double() - expected).abs().max().item() < 1e-5

@@ -126,12 +126,15 @@ def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor],
     idx = [i.long() for i in idx]
     for dim, i in enumerate(idx):
         size = buf.shape[dim]
-        # Under torch.vmap (PyTorch's create_block_mask calling a Mod) values cannot be read
-        # out; the index op below still refuses an out-of-range index there.
-        if i.numel() and not torch._C._functorch.is_functorch_wrapped_tensor(i) and (int(i.min()) < 0 or int(i.max()) >= size):
+        # Negative indices down to -size count from the end, as torch's indexing (and so PyTorch's eager
+        # FlexAttention) reads them: a paged score_mod reads at -page_size.. where a page is unmapped and
+        # discards the value with a where. Under torch.vmap (PyTorch's create_block_mask calling a Mod) values
+        # cannot be read out; the index op below still refuses an out-of-range index there.
+        if i.numel() and not torch._C._functorch.is_functorch_wrapped_tensor(i) and (int(i.min()) < -size or int(i.max()) >= size):
             raise IndexError(
                 f"buffer {spec.name!r} read out of range in dimension {dim}: index range "
-                f"[{int(i.min())}, {int(i.max())}] but the size is {size}"
+                f"[{int(i.min())}, {int(i.max())}] but the size is {size} (indices from -{size} to {size - 1} "
+                f"are read as torch reads them)"
             )
     if not idx:
         return buf.reshape(())

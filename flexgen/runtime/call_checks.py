@@ -106,13 +106,25 @@ def check_block_grid(bm, query: torch.Tensor, key: torch.Tensor) -> None:
 
 def dim_order(t: torch.Tensor) -> list[int]:
     """t's dimensions outermost first, as its strides order them (PyTorch keeps the query's order for
-    the output): broadcast (stride 0) and size-1 dimensions outermost, the head dim always innermost
-    (the kernels write 16-byte rows)."""
+    the output): equal strides (a size-1 dimension's) keep the outer dimension first, as PyTorch's fill order
+    does, so the output's strides order like the query's; broadcast (stride 0) dimensions outermost; the head
+    dim always innermost (the kernels write 16-byte rows)."""
     def outer_first(i: int):
-        stride = t.stride(i) if t.shape[i] > 1 and t.stride(i) != 0 else math.inf
+        stride = t.stride(i) if t.stride(i) != 0 else math.inf
         return (-stride, i)
 
     return sorted(range(t.dim() - 1), key=outer_first) + [t.dim() - 1]
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether t's strides are exactly a row-major tensor's (is_contiguous ignores size-1 dimensions' strides,
+    which PyTorch's stride order does not)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def empty_like_layout(like: torch.Tensor, shape=None, dtype=None, device=None) -> torch.Tensor:
@@ -120,6 +132,6 @@ def empty_like_layout(like: torch.Tensor, shape=None, dtype=None, device=None) -
     `device`: "meta" for the layout alone)."""
     shape = tuple(like.shape if shape is None else shape)
     device = like.device if device is None else device
-    if like.is_contiguous():  # the common case, without working out the order
+    if like.is_contiguous() and (1 not in like.shape or _row_major(like)):  # the common case, no sort
         return torch.empty(shape, dtype=dtype or like.dtype, device=device)
     return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=device)

@@ -83,7 +83,8 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     the block mask's BLOCK_SIZE and whether its lists follow its mask_mod, and whether a forward writes
     max_scores."""
     options = tuple(sorted((kernel_options or {}).items()))
-    args = (kind, query.dtype, query.shape[-1], query.device, score.expr if score is not None else None,
+    # (int: under torch.compile with dynamic shapes the head dim is a SymInt; a kernel is specialised on it)
+    args = (kind, query.dtype, int(query.shape[-1]), query.device, score.expr if score is not None else None,
             mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores,
             bool(blocks_follow_mask))
     try:
