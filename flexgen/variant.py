@@ -94,7 +94,46 @@ def _trace(fn, kind: str) -> Mod | None:
 def buffer_paths(fn, tensors) -> tuple:
     """For each tensor a traced function read, the steps from the function to it (_find: closures, globals,
     attributes, a bound method's owner, containers), or None where there is none within _PATH_DEPTH."""
-    return tuple(_find(fn, t, 0, set()) for t in tensors)
+    return tuple(_path_to(fn, t) for t in tensors)
+
+
+def _path_to(fn, tensor: torch.Tensor) -> tuple | None:
+    """_find's path to `tensor`, or to the tensor it is a view of by leading integer indices (`bias[0][b, h]` reads a
+    view that bias[0] made while the function was traced; the path ends in that index)."""
+    path = _find(fn, tensor, 0, set())
+    base = getattr(tensor, "_base", None)
+    if path is not None or base is None:
+        return path
+    index = _leading_index(base, tensor)
+    if index is None:
+        return None
+    path = _find(fn, base, 0, set())
+    return None if path is None else path + (("item", index),)
+
+
+def _leading_index(base: torch.Tensor, view: torch.Tensor) -> tuple[int, ...] | None:
+    """The integers i0..ik with base[i0, ..., ik] the same elements as `view`, if there are such."""
+    k = base.dim() - view.dim()
+    if k <= 0 or base.dtype != view.dtype or tuple(base.shape[k:]) != tuple(view.shape) or \
+            tuple(base.stride()[k:]) != tuple(view.stride()):
+        return None
+    offset, index = view.storage_offset() - base.storage_offset(), []
+    for size, stride in zip(base.shape[:k], base.stride()[:k]):
+        i = offset // stride if stride > 0 else 0
+        if not 0 <= i < size:
+            return None
+        index.append(int(i))
+        offset -= i * stride
+    return tuple(index) if offset == 0 else None
+
+
+def _same_tensor(a, b) -> bool:
+    """b is a, or (a path ending in an index) a view of the same elements."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a._base is not None
+            and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 # buffer_paths, or once dynamo is loaded (keep_path_search_out_of_traces) the same never traced: where a compiled
@@ -113,7 +152,7 @@ def reaches_buffers(fn, paths: tuple, tensors) -> bool:
     """Whether fn still reaches each of `tensors` along its path: an attribute, a nested closure variable or a
     container entry rebound to another tensor is another variant."""
     try:
-        return all(_follow(fn, p) is t for p, t in zip(paths, tensors))
+        return all(_same_tensor(_follow(fn, p), t) for p, t in zip(paths, tensors))
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # the path itself is gone
         return False
 
@@ -146,7 +185,7 @@ def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
         return ()
     paths = []
     for name, tensor in zip(mod.buffer_names, mod.buffer_tensors):
-        path = _find(fn, tensor, 0, set())
+        path = _path_to(fn, tensor)
         if path is None:
             raise RuntimeError(
                 f"flex_attention under torch.compile: cannot find where {kind}_mod {mod.name!r} keeps its tensor "

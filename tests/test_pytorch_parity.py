@@ -309,3 +309,34 @@ def test_a_score_mod_capturing_a_dynamic_size_inside_a_compiled_module():
         out = _quiet(model, q, k, v)
         expected = _dense(q, k, v, bias=torch.full((64, 64), float(batch), dtype=torch.float64))
         assert (out.double() - expected).abs().max().item() < 1e-5
+
+
+class _Biases:
+    def __init__(self, b, h, n):
+        self.table = torch.randn(4, b, h, n, dtype=torch.float64)
+
+    def score_mod(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[1][b, h][q_idx]  # bias[1] is a view made while the function is traced
+
+
+def test_a_view_of_a_captured_tensor_is_found_eager_and_under_compile():
+    """PyTorch's test_index_weird1: a score_mod reads `bias[0][b, h][q_idx]`."""
+    b, h, n = 2, 2, 64
+    biases = _Biases(b, h, n)
+    q, k, v = _qkv(b, h, n, n)
+    compiled = torch.compile(flexgen.flex_attention, backend="aot_eager")
+    for _ in range(2):  # the second round after the table is rebound: no stale view
+        expected = _dense(q, k, v, bias=biases.table[1][:, :, :, None])
+        for run in (flexgen.flex_attention, flexgen.flex_attention, compiled):
+            out = _quiet(run, q, k, v, score_mod=biases.score_mod)
+            assert (out.double() - expected).abs().max().item() < 1e-5
+        biases.table = torch.randn(4, b, h, n, dtype=torch.float64)
+
+
+def test_leading_index_finds_integer_views_only():
+    from flexgen.variant import _leading_index
+
+    base = torch.randn(4, 3, 5)
+    assert _leading_index(base, base[2]) == (2,) and _leading_index(base, base[3, 1]) == (3, 1)
+    assert _leading_index(base, base[:, 1]) is None  # not a leading index
+    assert _leading_index(base, base[2].t()) is None and _leading_index(base, base[1, :, 2:]) is None
