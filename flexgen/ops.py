@@ -26,8 +26,8 @@ from torch import Tensor
 from .blockmask import BlockMask
 from .codegen.options import call_options
 from .runtime import backward as _backward_pass, forward as _forward_pass
-from .runtime.call_checks import (check_block_grid, check_grid, check_scale, empty_like_layout, unfused_notice,
-                                  unfused_reason)
+from .runtime.call_checks import (check_block_grid, check_grid, check_scale, empty_like_layout, row_major,
+                                  unfused_notice, unfused_reason)
 from .runtime.plan import make_spec
 from .variant import _VARIANTS, variant
 
@@ -111,8 +111,10 @@ def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
     """t laid out as the fake kernels promise (like's dimension order): the launchers allocate it so; a
     result that is not (a stand-in implementation's, say) is copied, so compiled code reading the fake
     strides reads the right elements."""
-    if t.numel() == 0 or (like.is_contiguous() and t.is_contiguous() and 1 not in like.shape):
-        return t  # (with a size-1 dimension, is_contiguous says nothing of where its stride ranks)
+    # (with a size-1 dimension is_contiguous says nothing of where its stride ranks: row_major does)
+    if t.numel() == 0 or (like.is_contiguous() and t.is_contiguous()
+                          and (1 not in like.shape or (row_major(like) and row_major(t)))):
+        return t
     want = empty_like_layout(like, t.shape, t.dtype)
     if t.stride() == want.stride():
         return t

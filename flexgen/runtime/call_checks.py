@@ -116,7 +116,7 @@ def dim_order(t: torch.Tensor) -> list[int]:
     return sorted(range(t.dim() - 1), key=outer_first) + [t.dim() - 1]
 
 
-def _row_major(t: torch.Tensor) -> bool:
+def row_major(t: torch.Tensor) -> bool:
     """Whether t's strides are exactly a row-major tensor's (is_contiguous ignores size-1 dimensions' strides,
     which PyTorch's stride order does not)."""
     expected = 1
@@ -132,6 +132,6 @@ def empty_like_layout(like: torch.Tensor, shape=None, dtype=None, device=None) -
     `device`: "meta" for the layout alone)."""
     shape = tuple(like.shape if shape is None else shape)
     device = like.device if device is None else device
-    if like.is_contiguous() and (1 not in like.shape or _row_major(like)):  # the common case, no sort
+    if like.is_contiguous() and (1 not in like.shape or row_major(like)):  # the common case, no sort
         return torch.empty(shape, dtype=dtype or like.dtype, device=device)
     return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=device)
