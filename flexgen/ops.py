@@ -111,9 +111,7 @@ def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
     """t laid out as the fake kernels promise (like's dimension order): the launchers allocate it so; a
     result that is not (a stand-in implementation's, say) is copied, so compiled code reading the fake
     strides reads the right elements."""
-    # (with a size-1 dimension is_contiguous says nothing of where its stride ranks: row_major does)
-    if t.numel() == 0 or (like.is_contiguous() and t.is_contiguous()
-                          and (1 not in like.shape or (row_major(like) and row_major(t)))):
+    if t.numel() == 0 or (row_major(like) and row_major(t)):
         return t
     want = empty_like_layout(like, t.shape, t.dtype)
     if t.stride() == want.stride():

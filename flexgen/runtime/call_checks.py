@@ -118,7 +118,9 @@ def dim_order(t: torch.Tensor) -> list[int]:
 
 def row_major(t: torch.Tensor) -> bool:
     """Whether t's strides are exactly a row-major tensor's (is_contiguous ignores size-1 dimensions' strides,
-    which PyTorch's stride order does not)."""
+    which PyTorch's stride order does not; without one it decides, and is the fast test)."""
+    if 1 not in t.shape:
+        return t.is_contiguous()
     expected = 1
     for size, stride in zip(reversed(t.shape), reversed(t.stride())):
         if stride != expected:
@@ -132,6 +134,6 @@ def empty_like_layout(like: torch.Tensor, shape=None, dtype=None, device=None) -
     `device`: "meta" for the layout alone)."""
     shape = tuple(like.shape if shape is None else shape)
     device = like.device if device is None else device
-    if like.is_contiguous() and (1 not in like.shape or row_major(like)):  # the common case, no sort
+    if row_major(like):  # the common case, without working out the order
         return torch.empty(shape, dtype=dtype or like.dtype, device=device)
     return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=device)
