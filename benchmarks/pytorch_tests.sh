@@ -11,9 +11,8 @@ out=${2:?output directory}
 shift 2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
-mkdir -p "$out"
-sed -e 's/^from torch\.nn\.attention\.flex_attention import (/from flexgen import (/' \
-    -e 's/^from torch\.nn\.attention\.flex_attention import /from flexgen import /' \
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # (pytest runs from inside it)
+sed -e 's/^from torch\.nn\.attention\.flex_attention import /from flexgen import /' \
     "$src" > "$out/test_flex_attention_flexgen.py"
 grep -q '^from flexgen import' "$out/test_flex_attention_flexgen.py" || { echo "pytorch_tests: no flex_attention import to redirect in $src" >&2; exit 2; }
 cd "$out" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -p no:cacheprovider \
@@ -21,5 +20,5 @@ cd "$out" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -p no
 rc=$?
 "$PY" "$ROOT/benchmarks/junit_summary.py" "$out/junit.xml" > "$out/summary.txt"
 tail -3 "$out/pytest.log"
-cat "$out/summary.txt" | head -60
+head -60 "$out/summary.txt"
 exit $rc
