@@ -38,22 +38,33 @@ struct Work {
     bool partial;
 };
 
-// Walks (query head of the KV head's group, query tile) in order; tiles past q_len are skipped.
+// Walks (query head of the KV head's group, query tile) in order; tiles past q_len are skipped. The walk is
+// incremental: a block mask's index is loaded once per mask block, and no tile index is divided.
 struct Schedule {
-    int g, t;  // next: query head h_kv * kv_group + g, tile t of its list
+    int g, t;          // next: query head h_kv * kv_group + g, tile t of its list
+    int blk, within;   // t's mask block in the list, and t's tile within that block
+    int row;           // first row of mask block blk, once loaded (within > 0)
     QTileList list;
 
     __device__ void begin(const BwdParams& p, int b, int h_kv, int kv_block) {
         g = 0;
-        t = 0;
-        list = query_tiles(p, b, h_kv * p.kv_group, kv_block);
+        restart(p, b, h_kv, kv_block);
+    }
+    __device__ void restart(const BwdParams& p, int b, int h_kv, int kv_block) {
+        t = blk = within = row = 0;
+        list = query_tiles(p, b, h_kv * p.kv_group + g, kv_block);
     }
     __device__ bool next(const BwdParams& p, int b, int h_kv, int kv_block, Work& w) {
         while (true) {
             if (t < list.count) {
-                const int m0 = list.start(t);
-                const bool partial = list.partial(t);
+                if (within == 0) row = list.dense ? t * BLOCK_M : list.block_row(blk);
+                const int m0 = row + within * BLOCK_M;
+                const bool partial = blk >= list.n_full;  // (a dense list's n_full covers it)
                 ++t;
+                if (++within == list.sub) {
+                    within = 0;
+                    ++blk;
+                }
                 if (m0 < p.q_len) {
                     w.h = h_kv * p.kv_group + g;
                     w.m0 = m0;
@@ -62,8 +73,7 @@ struct Schedule {
                 }
             } else if (g + 1 < p.kv_group) {
                 ++g;
-                t = 0;
-                list = query_tiles(p, b, h_kv * p.kv_group + g, kv_block);
+                restart(p, b, h_kv, kv_block);
             } else {
                 return false;
             }

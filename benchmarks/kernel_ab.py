@@ -1,0 +1,158 @@
+"""Did a kernel change help? The forward's or the backward's kernel time under ncu at locked base clocks, per variant,
+on several flexgen trees alternated in one device call: it resolves changes of 1-2%, where wall-clock timing on the
+H200 moves the same kernel by up to 10% between rounds (benchmarks/ab_bench.sh, docs/forward-sm90.md).
+
+    python3 benchmarks/kernel_ab.py run --kind bwd --tree base=.gpu/ab_base --tree this=. --rounds 3 --out $OUT
+    python3 benchmarks/kernel_ab.py report $OUT            (anywhere: medians per case, and each tree against the first)
+
+`run` (on the GPU machine) starts, per round and tree, one process under `ncu --clock-control base` that runs every
+case (`cases`, below) with that tree's flexgen on PYTHONPATH and its own kernel cache, and keeps ncu's CSV as
+ncu_<tree>_r<round>.csv. Each case launches the kernel LAUNCHES times; the first (which follows the compile) is
+left out. Prepare other trees with `bash benchmarks/ab_bench.sh prepare REV DIR` and carry them in the call.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+LAUNCHES = 4
+KERNEL = {"fwd": "^flexgen_fwd$", "bwd": "^flexgen_bwd$"}
+CASES = {  # (head dim, variant): B = 2, H = 16, N = 8k, bf16
+    "fwd": [(128, "full"), (128, "causal"), (128, "alibi"), (128, "softcap"), (128, "document"),
+            (64, "full"), (64, "causal"), (64, "softcap")],
+    "bwd": [(128, "full"), (128, "causal"), (128, "alibi"), (128, "softcap"), (128, "document"), (128, "sliding"),
+            (64, "full"), (64, "causal")],
+}
+
+
+def run_cases(kind: str, n: int = 8192, heads: int = 16, batch: int = 2) -> None:
+    """The launches ncu measures, in CASES order, each case announced by a `CASE <D> <variant>` line."""
+    import torch
+
+    import flexgen
+    from flexgen import variants as V
+
+    def alibi(s, b, h, q_idx, kv_idx):
+        return s + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
+
+    ids = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 6 + 1)
+
+    def document(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+    mods = {"full": (None, None), "causal": (None, V.causal), "alibi": (alibi, V.causal),
+            "softcap": (V.softcap(30.0), V.causal), "document": (None, document), "sliding": (None, sliding)}
+    for d, name in CASES[kind]:
+        score, mask = mods[name]
+        q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "bwd")
+                   for _ in range(3))
+        bm = flexgen.create_block_mask(mask, None, None, n, n) if mask is not None else None
+        print(f"CASE {d} {name}", flush=True)
+        if kind == "fwd":
+            for _ in range(LAUNCHES):
+                flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+        else:
+            out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+            dout = torch.randn_like(out)
+            for _ in range(LAUNCHES):
+                q.grad = k.grad = v.grad = None
+                out.backward(dout, retain_graph=True)
+        torch.cuda.synchronize()
+
+
+def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trees.txt").write_text(" ".join(label for label, _ in trees) + "\n")
+    script = Path(__file__).resolve()
+    for r in range(1, rounds + 1):
+        for label, tree in trees:
+            env = dict(os.environ, FLEXGEN_CACHE_DIR=f"/tmp/kernel_ab_cache_{label}",
+                       PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
+            cmd = ["ncu", "--clock-control", "base", "--kernel-name", f"regex:{KERNEL[kind]}",
+                   "--metrics", "gpu__time_duration.sum", "--csv", sys.executable, str(script), "cases", "--kind", kind]
+            path = out / f"ncu_{label}_r{r}.csv"
+            with open(path, "w") as f:
+                rc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            print(f"{label} round {r}: rc {rc} -> {path.name}", flush=True)
+
+
+def durations(path: Path) -> dict[str, list[float]]:
+    """{'<D> <variant>': [ns of each launch but the first]} from one ncu CSV (the CASE lines give the order)."""
+    lines = path.read_text().splitlines()
+    cases = [line.split(None, 1)[1] for line in lines if line.startswith("CASE ")]
+    rows = csv.DictReader(line for line in lines if line.startswith('"'))
+    ns = {int(row["ID"]): float(row["Metric Value"].replace(",", ""))
+          for row in rows if row["Metric Name"] == "gpu__time_duration.sum"}
+    ids = sorted(ns)
+    if len(ids) != LAUNCHES * len(cases):
+        raise ValueError(f"{path.name}: {len(ids)} kernel launches for {len(cases)} cases; expected {LAUNCHES} each")
+    return {case: [ns[i] for i in ids[LAUNCHES * c + 1:LAUNCHES * (c + 1)]] for c, case in enumerate(cases)}
+
+
+def report(folder: Path) -> str:
+    """A markdown table: per case, each tree's median microseconds over all rounds, its change against the baseline
+    (the first tree `run` was given; else `base`), and the spread (max - min over the median)."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for path in sorted(folder.glob("ncu_*_r*.csv")):
+        label = re.match(r"ncu_(.+)_r\d+\.csv$", path.name)[1]
+        for case, times in durations(path).items():
+            found.setdefault(case, {}).setdefault(label, []).extend(times)
+    labels = sorted({label for by_label in found.values() for label in by_label})
+    listed = folder / "trees.txt"  # (written by run: the trees in the order given, the baseline first)
+    order = [t for t in listed.read_text().split() if t in labels] if listed.exists() else []
+    order += [label for label in sorted(labels, key=lambda t: t != "base") if label not in order]
+    lines = ["| case | " + " | ".join(order) + " |", "|---" * (len(order) + 1) + "|"]
+    for case, by_label in found.items():
+        base = statistics.median(by_label[order[0]])
+        cells = []
+        for label in order:
+            t = by_label.get(label)
+            if not t:
+                cells.append("-")
+                continue
+            med = statistics.median(t)
+            cells.append(f"{med / 1e3:.1f} us ({med / base - 1:+.1%}, spread {(max(t) - min(t)) / med:.1%}, n={len(t)})")
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("cases", help="run the launches (under ncu)")
+    c.add_argument("--kind", choices=sorted(KERNEL), required=True)
+    r = sub.add_parser("run", help="on the GPU machine: every tree under ncu, alternated")
+    r.add_argument("--kind", choices=sorted(KERNEL), required=True)
+    r.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR", help="first: the baseline")
+    r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
+    s = sub.add_parser("report", help="the table from a run's CSVs")
+    s.add_argument("folder", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "cases":
+        run_cases(args.kind)
+    elif args.cmd == "run":
+        trees = []
+        for item in args.tree:
+            label, sep, folder = item.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z0-9-]+", label) or not (Path(folder) / "flexgen").is_dir():
+                p.error(f"--tree {item!r}: expected LABEL=DIR (LABEL letters, digits, '-'), DIR holding a flexgen tree")
+            trees.append((label, Path(folder).resolve()))
+        run(args.kind, trees, args.rounds, args.out, args.timeout)
+        print(report(args.out))
+    else:
+        print(report(args.folder))
+
+
+if __name__ == "__main__":
+    main()

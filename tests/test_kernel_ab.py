@@ -1,0 +1,65 @@
+"""benchmarks/kernel_ab.py: launches mapped to cases by order, the compile launch left out, medians per tree."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_ab.py"
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+          '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def ncu_csv(cases: dict[str, list[float]], launches: int = 4) -> str:
+    """ncu --csv output as the device writes it: the program's CASE lines first, then one row per launch."""
+    lines = ["==PROF== Connected to process 1 (/usr/bin/python3)"] + [f"CASE {c}" for c in cases] + [HEADER]
+    launch = 0
+    for times in cases.values():
+        assert len(times) == launches
+        for ns in times:
+            lines.append(f'"{launch}","1","python3","127.0.0.1","flexgen_bwd","1","7","(384, 1, 1)","(132, 1, 1)",'
+                         f'"0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,.0f}"')
+            launch += 1
+    return "\n".join(lines) + "\n"
+
+
+def report(folder: Path) -> list[str]:
+    out = subprocess.run([sys.executable, str(SCRIPT), "report", str(folder)], capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def test_medians_per_tree_against_the_baseline_without_the_first_launch(tmp_path):
+    rng = random.Random()
+    base_full, base_causal = rng.uniform(1e6, 5e6), rng.uniform(5e5, 1e6)
+    for r in (1, 2):
+        # the first launch of each case (the one after the compile) is slow and must not count
+        (tmp_path / f"ncu_base_r{r}.csv").write_text(ncu_csv({"128 full": [9e9, base_full, base_full, base_full],
+                                                              "128 causal": [9e9] + [base_causal] * 3}))
+        (tmp_path / f"ncu_this_r{r}.csv").write_text(ncu_csv({"128 full": [9e9] + [base_full * 0.98] * 3,
+                                                              "128 causal": [9e9] + [base_causal * 1.05] * 3}))
+    (tmp_path / "trees.txt").write_text("base this\n")
+    lines = report(tmp_path)
+    assert lines[0] == "| case | base | this |"
+    full = next(line for line in lines if line.startswith("| 128 full |"))
+    causal = next(line for line in lines if line.startswith("| 128 causal |"))
+    assert f"{base_full / 1e3:.1f} us (+0.0%, spread 0.0%, n=6)" in full
+    assert "(-2.0%, spread 0.0%, n=6)" in full
+    assert "(+5.0%, spread 0.0%, n=6)" in causal
+
+
+def test_a_launch_count_that_does_not_match_the_cases_is_an_error(tmp_path):
+    text = ncu_csv({"128 full": [1e6] * 4, "64 causal": [1e6] * 4})
+    dropped = "\n".join(line for line in text.splitlines() if not line.startswith('"7"')) + "\n"
+    (tmp_path / "ncu_base_r1.csv").write_text(dropped)
+    out = subprocess.run([sys.executable, str(SCRIPT), "report", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode != 0 and "7 kernel launches for 2 cases; expected 4 each" in out.stderr
+
+
+@pytest.mark.parametrize("tree", ["no-equals", "bad label=.", "x=/nonexistent"])
+def test_run_refuses_a_malformed_tree(tree, tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), "run", "--kind", "fwd", "--tree", tree, "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "expected LABEL=DIR" in out.stderr
