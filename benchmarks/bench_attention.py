@@ -526,6 +526,17 @@ def bench_ms(fn, dev, warmup_ms: float, rep_ms: float, grad_to_none=None) -> flo
     return times[len(times) // 2]
 
 
+_CLOCK = None  # the worker's gpu_clock.ClockSampler on CUDA: the SM clock of every timing window
+
+
+def timed_ms(fn, dev, warmup_ms: float, rep_ms: float, grad_to_none=None) -> tuple[float, dict | None]:
+    """bench_ms, and the SM clock nvidia-smi saw during it (None without samples): under the H200's power cap a
+    100 ms window starts at boost clock and throttles inside, so a figure is read beside its clock."""
+    t0 = time.time()
+    ms = bench_ms(fn, dev, warmup_ms, rep_ms, grad_to_none)
+    return ms, (_CLOCK.window(t0, time.time()) if _CLOCK is not None else None)
+
+
 def peak_of(fn, dev):
     """(peak MiB allocated while fn runs, of which MiB above what was allocated before)."""
     import torch
@@ -714,8 +725,9 @@ def run_case(case, args, ev: Events, dev):
         try:
             ev.emit(event="begin", id=cid, impl=impl_name, phase="fwd")
             rec["fwd_peak_mib"], rec["fwd_extra_mib"] = peak_of(lambda: fn(q, k, v), dev)
-            ms = bench_ms(lambda: fn(q, k, v), dev, args.warmup, args.rep)
+            ms, clock = timed_ms(lambda: fn(q, k, v), dev, args.warmup, args.rep)
             rec["fwd_ms"], rec["fwd_tflops"] = ms, fwd_flops / (ms * 1e-3) / 1e12
+            rec["fwd_mhz"] = clock["mhz"] if clock else None
         except Exception as e:
             print(f"  {impl_name:<14} ERROR timing fwd: {short(e)}", flush=True)
             rec.update(status="error", error=short(e))
@@ -739,8 +751,9 @@ def run_case(case, args, ev: Events, dev):
                 for t in (qg, kg, vg):
                     t.grad = None
                 rec["fb_peak_mib"], rec["fb_extra_mib"] = peak_of(fwd_bwd, dev)
-                fb = bench_ms(fwd_bwd, dev, args.warmup, args.rep, grad_to_none=[qg, kg, vg])
+                fb, clock = timed_ms(fwd_bwd, dev, args.warmup, args.rep, grad_to_none=[qg, kg, vg])
                 rec["fb_ms"] = fb
+                rec["fb_mhz"] = clock["mhz"] if clock else None
                 rec["bwd_ms"] = fb - rec["fwd_ms"]
                 rec["bwd_tflops"] = 2.5 * fwd_flops / (rec["bwd_ms"] * 1e-3) / 1e12 if rec["bwd_ms"] > 0 else None
                 del qg, kg, vg, dout
@@ -751,10 +764,14 @@ def run_case(case, args, ev: Events, dev):
                     ev.emit(event="result", **rec)
                     sys.exit(EXIT_STICKY)
         line = f"  {impl_name:<14} fwd {rec['fwd_ms']:8.3f} ms {rec['fwd_tflops']:7.1f} TF/s"
+        if rec.get("fwd_mhz") is not None:
+            line += f" @ {rec['fwd_mhz']:.0f} MHz"
         if rec.get("fwd_peak_mib") is not None:
             line += f"  peak {rec['fwd_peak_mib']:8.0f} MiB"
         if rec.get("bwd_tflops") is not None:
             line += f" | bwd {rec['bwd_ms']:8.3f} ms {rec['bwd_tflops']:7.1f} TF/s  peak {rec.get('fb_peak_mib') or 0:8.0f} MiB"
+            if rec.get("fb_mhz") is not None:
+                line += f" (fwd+bwd @ {rec['fb_mhz']:.0f} MHz)"
         elif rec.get("bwd_error"):
             line += " | bwd error"
         print(line, flush=True)
@@ -772,6 +789,21 @@ def worker_main(args):
         work = json.load(f)
     ev = Events(args.events_file)
     deadline = args.deadline
+    global _CLOCK
+    if dev.type == "cuda":
+        from gpu_clock import ClockSampler
+
+        _CLOCK = ClockSampler()
+    try:
+        return run_work(work, args, ev, dev, deadline)
+    finally:
+        if _CLOCK is not None:
+            _CLOCK.close()
+
+
+def run_work(work, args, ev, dev, deadline) -> int:
+    import torch
+
     for case in work:
         if deadline and time.time() > deadline:
             print(f"time budget spent: skipping {case['id']}", flush=True)
@@ -1199,6 +1231,16 @@ def check_lines(checks):
     return out
 
 
+def clock_lines(records):
+    """The median SM clock of each timing window (nvidia-smi), where the worker could sample it."""
+    rows = [r for r in records if r.get("status") == "ok" and (r.get("fwd_mhz") or r.get("fb_mhz"))]
+    out = ["| case | impl | fwd MHz | fwd+bwd MHz |", "|---|---|---|---|"]
+    for r in rows:
+        fwd, fb = r.get("fwd_mhz"), r.get("fb_mhz")
+        out.append(f"| {r['id']} | {r['impl']} | {'-' if fwd is None else f'{fwd:.0f}'} | {'-' if fb is None else f'{fb:.0f}'} |")
+    return out if len(out) > 2 else []
+
+
 def memory_lines(records):
     rows = [r for r in records if r.get("status") == "ok" and r.get("fwd_peak_mib") is not None]
     out = ["| case | impl | fwd peak MiB | fwd+bwd peak MiB | mask build s | mask MiB |", "|---|---|---|---|---|---|"]
@@ -1291,6 +1333,7 @@ def finish(args, work, records, checks, report):
     ratios = ratio_lines(records, args.fwd_only)
     chk = check_lines(checks)
     mem = memory_lines(records)
+    clocks = clock_lines(records)
     lng = long_lines(records)
     errs = error_lines(records)
     meta = report["meta"]
@@ -1307,6 +1350,9 @@ def finish(args, work, records, checks, report):
         md += ["## long sequence", ""] + [f"- {line}" for line in lng] + [""]
     if mem:
         md += ["## peak memory (torch.cuda.max_memory_allocated, inputs included)", ""] + mem + [""]
+    if clocks:
+        md += ["## SM clock during each timing window (median of nvidia-smi's samples; the 700 W cap throttles "
+               "within a window)", ""] + clocks + [""]
     if errs:
         md += ["## errors", ""] + [f"- {line}" for line in errs] + [""]
     with open(os.path.join(out, "bench_results.md"), "w") as f:

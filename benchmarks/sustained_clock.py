@@ -15,42 +15,15 @@ seconds instead of a phase of `--seconds`, to show the clocks that protocol's sh
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (the harness's variants and implementations)
-
-
-def sample_clock(path: str) -> subprocess.Popen:
-    reasons = "clocks_event_reasons.active"
-    if subprocess.run(["nvidia-smi", f"--query-gpu={reasons}", "--format=csv"], capture_output=True).returncode:
-        reasons = "clocks_throttle_reasons.active"  # the field's older name
-    fields = f"timestamp,clocks.sm,power.draw,temperature.gpu,{reasons}"
-    return subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "20"],
-                            stdout=open(path, "w"), stderr=subprocess.DEVNULL)
-
-
-def read_samples(path: str) -> list[tuple[float, float, float, str]]:
-    rows = []
-    with open(path) as f:
-        for rec in csv.reader(f):
-            if len(rec) < 5:
-                continue
-            try:
-                stamp = time.mktime(time.strptime(rec[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-                stamp += float("0." + rec[0].strip().split(".")[1]) if "." in rec[0] else 0.0
-                rows.append((stamp, float(rec[1]), float(rec[2]), rec[4].strip()))
-            except ValueError:
-                continue
-    return rows
+from gpu_clock import ClockSampler  # noqa: E402
 
 
 def run_phase(fn, seconds: float, flush: torch.Tensor | None) -> tuple[float, float, float, int]:
@@ -127,8 +100,7 @@ def main() -> None:
             fns[(vname, impl)] = (call, (3.5 if args.bwd else 1.0) * 4.0 * batch * args.heads * pairs * d)
     torch.cuda.synchronize()
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev) if args.flush else None
-    log = tempfile.mktemp(suffix=".csv")
-    smi = sample_clock(log)
+    sampler = ClockSampler()
     time.sleep(1.0)
     phases = []
     try:
@@ -140,22 +112,17 @@ def main() -> None:
                     t0, t1, ms, calls = run_phase(fn, args.seconds, flush)
                 phases.append((r, vname, impl, t0, t1, ms, calls, flops))
                 time.sleep(1.0)  # let the clock recover, as between do_bench cases
+        print("| round | variant | impl | ms/call | TFLOP/s | SM MHz (median; min-max) | W | MHz x ms | samples | reasons |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r, vname, impl, t0, t1, ms, calls, flops in phases:
+            start = t0 if args.do_bench is not None else (t0 + t1) / 2  # (do_bench's window is short: all of it)
+            c = sampler.window(start, t1) or {"mhz": float("nan"), "mhz_min": float("nan"), "mhz_max": float("nan"),
+                                              "watts": float("nan"), "samples": 0, "reasons": []}
+            print(f"| {r} | {vname} | {impl} | {ms:.3f} | {flops / ms / 1e9:.0f} | {c['mhz']:.0f}; "
+                  f"{c['mhz_min']:.0f}-{c['mhz_max']:.0f} | {c['watts']:.0f} | {c['mhz'] * ms:.0f} | {c['samples']} | "
+                  f"{' '.join(c['reasons'])} |", flush=True)
     finally:
-        smi.terminate()
-        smi.wait()
-    samples = read_samples(log)
-    print("| round | variant | impl | ms/call | TFLOP/s | SM MHz (median; min-max) | W | MHz x ms | samples | reasons |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r, vname, impl, t0, t1, ms, calls, flops in phases:
-        start = t0 if args.do_bench is not None else (t0 + t1) / 2  # (do_bench's window is short: all of it)
-        inside = [s for s in samples if start <= s[0] <= t1]
-        mhz = statistics.median(s[1] for s in inside) if inside else float("nan")
-        watts = statistics.median(s[2] for s in inside) if inside else float("nan")
-        reasons = sorted({s[3] for s in inside})
-        lo = min((s[1] for s in inside), default=float("nan"))
-        hi = max((s[1] for s in inside), default=float("nan"))
-        print(f"| {r} | {vname} | {impl} | {ms:.3f} | {flops / ms / 1e9:.0f} | {mhz:.0f}; {lo:.0f}-{hi:.0f} | {watts:.0f} | "
-              f"{mhz * ms:.0f} | {len(inside)} | {' '.join(reasons)} |", flush=True)
+        sampler.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""The GPU's SM clock, board power and throttle reasons over time, sampled by `nvidia-smi` in the background, so that
+a timing can say at what clock it ran: under the H200's 700 W cap a kernel's clock moves by 15% within one 100 ms
+do_bench window (docs/forward-sm90.md, "Under the power cap").
+
+    sampler = ClockSampler()          # does nothing where nvidia-smi is missing
+    t0 = time.time(); ...; t1 = time.time()
+    sampler.window(t0, t1)            # {'mhz': median, 'mhz_min', 'mhz_max', 'watts', 'reasons', 'samples'} or None
+    sampler.close()
+"""
+from __future__ import annotations
+
+import csv
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+
+
+def read_samples(path: str) -> list[tuple[float, float, float, str]]:
+    """(unix time, SM MHz, watts, throttle reasons) per line of nvidia-smi's CSV; lines it could not fill are skipped."""
+    rows = []
+    with open(path) as f:
+        for rec in csv.reader(f):
+            if len(rec) < 5:
+                continue
+            try:
+                stamp, _, fraction = rec[0].strip().partition(".")
+                seconds = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S"))
+                rows.append((seconds + (float("0." + fraction) if fraction else 0.0), float(rec[1]), float(rec[2]),
+                             rec[4].strip()))
+            except ValueError:
+                continue
+    return rows
+
+
+class ClockSampler:
+    def __init__(self, period_ms: int = 20):
+        self.path = None
+        self.proc = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        reasons = "clocks_event_reasons.active"
+        if subprocess.run(["nvidia-smi", f"--query-gpu={reasons}", "--format=csv"], capture_output=True).returncode:
+            reasons = "clocks_throttle_reasons.active"  # the field's older name
+        fields = f"timestamp,clocks.sm,power.draw,temperature.gpu,{reasons}"
+        self.path = tempfile.mktemp(suffix=".csv", prefix="gpu_clock_")
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", str(period_ms)],
+            stdout=open(self.path, "w"), stderr=subprocess.DEVNULL)
+
+    def window(self, t0: float, t1: float) -> dict | None:
+        """The samples taken between unix times t0 and t1, summarised; None without a sampler or samples."""
+        if self.path is None:
+            return None
+        inside = [s for s in read_samples(self.path) if t0 <= s[0] <= t1]
+        if not inside:
+            return None
+        return {"mhz": statistics.median(s[1] for s in inside), "mhz_min": min(s[1] for s in inside),
+                "mhz_max": max(s[1] for s in inside), "watts": statistics.median(s[2] for s in inside),
+                "reasons": sorted({s[3] for s in inside}), "samples": len(inside)}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.proc = None
