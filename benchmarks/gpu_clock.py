@@ -9,6 +9,7 @@ do_bench window (docs/forward-sm90.md, "Under the power cap").
 """
 from __future__ import annotations
 
+import atexit
 import csv
 import shutil
 import statistics
@@ -34,6 +35,17 @@ def read_samples(path: str) -> list[tuple[float, float, float, str]]:
     return rows
 
 
+def _die_with_parent() -> None:
+    """In the sampler's child: end when the process that started it ends, even by SIGKILL (a timed-out worker)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
 class ClockSampler:
     def __init__(self, period_ms: int = 20):
         self.path = None
@@ -47,7 +59,8 @@ class ClockSampler:
         self.path = tempfile.mktemp(suffix=".csv", prefix="gpu_clock_")
         self.proc = subprocess.Popen(
             ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", str(period_ms)],
-            stdout=open(self.path, "w"), stderr=subprocess.DEVNULL)
+            stdout=open(self.path, "w"), stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        atexit.register(self.close)
 
     def window(self, t0: float, t1: float) -> dict | None:
         """The samples taken between unix times t0 and t1, summarised; None without a sampler or samples."""

@@ -5,6 +5,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import gpu_clock  # noqa: E402
@@ -61,3 +63,30 @@ def test_bench_attention_keeps_each_timing_beside_its_clock(monkeypatch):
     assert bench_attention.clock_lines(records)[2:] == ["| D128 full N8192 | flexgen | 1665 | - |"]
     monkeypatch.setattr(bench_attention, "_CLOCK", None)
     assert bench_attention.timed_ms(lambda: None, torch.device("cpu"), 1.0, 2.0)[1] is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process states from /proc (Linux)")
+def test_the_sampler_process_ends_with_the_process_that_started_it():
+    """A worker killed by a timeout must not leave nvidia-smi sampling forever (`sleep` stands in for it)."""
+    import subprocess
+    import time
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    starter = (f"import sys, subprocess, time; sys.path.insert(0, {str(bench)!r}); import gpu_clock; "
+               "p = subprocess.Popen(['sleep', '60'], preexec_fn=gpu_clock._die_with_parent); "
+               "print(p.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    state = "alive"
+    for _ in range(50):
+        status = Path(f"/proc/{child}/status")
+        if not status.exists():
+            state = "gone"
+            break
+        state = next(line for line in status.read_text().splitlines() if line.startswith("State:"))
+        if "Z" in state.split()[1]:
+            break
+        time.sleep(0.1)
+    assert state == "gone" or "zombie" in state, state
