@@ -35,15 +35,19 @@ def read_samples(path: str) -> list[tuple[float, float, float, str]]:
     return rows
 
 
+try:  # bound here, so that the child runs no import between fork and exec
+    import ctypes
+    import signal
+
+    _PRCTL, _SIGTERM = ctypes.CDLL(None).prctl, int(signal.SIGTERM)
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
     """In the sampler's child: end when the process that started it ends, even by SIGKILL (a timed-out worker)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, _SIGTERM)  # PR_SET_PDEATHSIG (Linux)
 
 
 class ClockSampler:
