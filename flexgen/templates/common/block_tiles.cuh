@@ -19,18 +19,17 @@ struct BlockTiles {
         if constexpr (SHIFT) return (sub & (sub - 1)) == 0 ? t >> (__ffs(sub) - 1) : t / sub;
         return t / sub;
     }
+    // First tile of the list's mask block `blk` (a block mask's lists only): walkers that step through the tiles
+    // in order look each block up once, where start(t) divides t and loads the index at every tile.
+    __device__ int block_tile(int blk) const {
+        const int block = blk < n_full ? full_idx[blk] : part_idx[blk - n_full];
+        return block * sub;
+    }
     __device__ int start(int t) const {
         if (dense) return t * TILE;
         const int blk = block_of(t);
-        const int block = blk < n_full ? full_idx[blk] : part_idx[blk - n_full];
-        if constexpr (SHIFT) return (block * sub + t - blk * sub) * TILE;
-        return block * sub * TILE + (t % sub) * TILE;
-    }
-    // First row of the list's mask block `blk` (a block mask's lists only): walkers that step through the tiles
-    // in order look each block up once, where start(t) divides t and loads the index at every tile.
-    __device__ int block_row(int blk) const {
-        const int block = blk < n_full ? full_idx[blk] : part_idx[blk - n_full];
-        return block * sub * TILE;
+        if constexpr (SHIFT) return (block_tile(blk) + t - blk * sub) * TILE;
+        return block_tile(blk) * TILE + (t % sub) * TILE;
     }
     __device__ bool partial(int t) const {  // (never, without a block mask)
         if constexpr (SHIFT) return t >= n_full * sub;

@@ -57,7 +57,7 @@ struct Schedule {
     __device__ bool next(const BwdParams& p, int b, int h_kv, int kv_block, Work& w) {
         while (true) {
             if (t < list.count) {
-                if (within == 0) row = list.dense ? t * BLOCK_M : list.block_row(blk);
+                if (within == 0) row = list.dense ? t * BLOCK_M : list.block_tile(blk) * BLOCK_M;
                 const int m0 = row + within * BLOCK_M;
                 const bool partial = blk >= list.n_full;  // (a dense list's n_full covers it)
                 ++t;
