@@ -23,50 +23,41 @@ from pathlib import Path
 
 LAUNCHES = 4
 KERNEL = {"fwd": "^flexgen_fwd$", "bwd": "^flexgen_bwd$"}
-CASES = {  # (head dim, variant): B = 2, H = 16, N = 8k, bf16
-    "fwd": [(128, "full"), (128, "causal"), (128, "alibi"), (128, "softcap"), (128, "document"),
-            (64, "full"), (64, "causal"), (64, "softcap")],
-    "bwd": [(128, "full"), (128, "causal"), (128, "alibi"), (128, "softcap"), (128, "document"), (128, "sliding"),
-            (64, "full"), (64, "causal")],
+CASES = {  # (head dim, bench_attention.py variant): B = 2, H = 16, N = 8k, bf16
+    "fwd": [(128, "full"), (128, "causal"), (128, "alibi-causal"), (128, "softcap30-causal"), (128, "document-causal"),
+            (64, "full"), (64, "causal"), (64, "softcap30-causal")],
+    "bwd": [(128, "full"), (128, "causal"), (128, "alibi-causal"), (128, "softcap30-causal"), (128, "document-causal"),
+            (128, "sliding1024"), (64, "full"), (64, "causal")],
 }
 
 
-def run_cases(kind: str, n: int = 8192, heads: int = 16, batch: int = 2) -> None:
-    """The launches ncu measures, in CASES order, each case announced by a `CASE <D> <variant>` line."""
+def run_cases(kind: str, n: int = 8192, heads: int = 16, batch: int = 2, device: str = "cuda") -> None:
+    """The launches ncu measures, in CASES order, each case announced by a `CASE <D> <variant>` line; the variants
+    are bench_attention.py's, so a change is measured on the cases results.md reports."""
     import torch
 
     import flexgen
-    from flexgen import variants as V
 
-    def alibi(s, b, h, q_idx, kv_idx):
-        return s + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_attention import build_variant
 
-    ids = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 6 + 1)
-
-    def document(b, h, q_idx, kv_idx):
-        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
-
-    def sliding(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
-
-    mods = {"full": (None, None), "causal": (None, V.causal), "alibi": (alibi, V.causal),
-            "softcap": (V.softcap(30.0), V.causal), "document": (None, document), "sliding": (None, sliding)}
     for d, name in CASES[kind]:
-        score, mask = mods[name]
-        q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=kind == "bwd")
+        variant = build_variant(name, n, heads, torch.device(device))
+        q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=kind == "bwd")
                    for _ in range(3))
-        bm = flexgen.create_block_mask(mask, None, None, n, n) if mask is not None else None
+        bm = flexgen.create_block_mask(variant.mask, None, None, n, n, device=device) if variant.mask is not None else None
         print(f"CASE {d} {name}", flush=True)
         if kind == "fwd":
             for _ in range(LAUNCHES):
-                flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+                flexgen.flex_attention(q, k, v, score_mod=variant.score, block_mask=bm)
         else:
-            out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+            out = flexgen.flex_attention(q, k, v, score_mod=variant.score, block_mask=bm)
             dout = torch.randn_like(out)
             for _ in range(LAUNCHES):
                 q.grad = k.grad = v.grad = None
                 out.backward(dout, retain_graph=True)
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
 
 
 def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float) -> None:

@@ -63,3 +63,15 @@ def test_run_refuses_a_malformed_tree(tree, tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "run", "--kind", "fwd", "--tree", tree, "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "expected LABEL=DIR" in out.stderr
+
+
+def test_cases_run_the_harness_variants_in_order(capsys):
+    """`cases` on the CPU (flexgen's unfused path, a short sequence): every case of both kinds runs and announces
+    itself in CASES order, which is what `report` maps ncu's launches by."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import kernel_ab
+
+    for kind in ("fwd", "bwd"):
+        kernel_ab.run_cases(kind, n=128, heads=2, batch=1, device="cpu")
+        announced = [line[len("CASE "):] for line in capsys.readouterr().out.splitlines() if line.startswith("CASE ")]
+        assert announced == [f"{d} {name}" for d, name in kernel_ab.CASES[kind]]
