@@ -18,21 +18,24 @@ import tempfile
 import time
 
 
+def parse_sample(line: str) -> tuple[float, float, float, str] | None:
+    """(unix time, SM MHz, watts, throttle reasons) from one line of nvidia-smi's CSV; None for a line it left unfilled."""
+    rec = next(csv.reader([line]), [])
+    if len(rec) < 5:
+        return None
+    try:
+        stamp, _, fraction = rec[0].strip().partition(".")
+        seconds = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S"))
+        return (seconds + (float("0." + fraction) if fraction else 0.0), float(rec[1]), float(rec[2]),
+                rec[4].strip())
+    except ValueError:
+        return None
+
+
 def read_samples(path: str) -> list[tuple[float, float, float, str]]:
-    """(unix time, SM MHz, watts, throttle reasons) per line of nvidia-smi's CSV; lines it could not fill are skipped."""
-    rows = []
+    """Every sample in a file of nvidia-smi's CSV, skipping lines it could not fill."""
     with open(path) as f:
-        for rec in csv.reader(f):
-            if len(rec) < 5:
-                continue
-            try:
-                stamp, _, fraction = rec[0].strip().partition(".")
-                seconds = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S"))
-                rows.append((seconds + (float("0." + fraction) if fraction else 0.0), float(rec[1]), float(rec[2]),
-                             rec[4].strip()))
-            except ValueError:
-                continue
-    return rows
+        return [s for s in map(parse_sample, f) if s is not None]
 
 
 try:  # bound here, so that the child runs no import between fork and exec
@@ -54,6 +57,8 @@ class ClockSampler:
     def __init__(self, period_ms: int = 20):
         self.path = None
         self.proc = None
+        self.samples = []  # parsed so far; the file grows by a line per period, so each window reads only the new ones
+        self.offset = 0
         if shutil.which("nvidia-smi") is None:
             return
         reasons = "clocks_event_reasons.active"
@@ -70,12 +75,24 @@ class ClockSampler:
         """The samples taken between unix times t0 and t1, summarised; None without a sampler or samples."""
         if self.path is None:
             return None
-        inside = [s for s in read_samples(self.path) if t0 <= s[0] <= t1]
+        self._read_new()
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if not inside:
             return None
         return {"mhz": statistics.median(s[1] for s in inside), "mhz_min": min(s[1] for s in inside),
                 "mhz_max": max(s[1] for s in inside), "watts": statistics.median(s[2] for s in inside),
                 "reasons": sorted({s[3] for s in inside}), "samples": len(inside)}
+
+    def _read_new(self) -> None:
+        with open(self.path) as f:
+            f.seek(self.offset)
+            for line in iter(f.readline, ""):
+                if not line.endswith("\n"):  # nvidia-smi is still writing it
+                    break
+                self.offset = f.tell()
+                sample = parse_sample(line)
+                if sample is not None:
+                    self.samples.append(sample)
 
     def close(self) -> None:
         if self.proc is not None:

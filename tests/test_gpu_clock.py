@@ -42,6 +42,23 @@ def test_a_window_summarises_the_samples_inside_it(tmp_path, monkeypatch):
     sampler.close()
 
 
+def test_a_later_window_sees_lines_written_since_the_last_one(tmp_path, monkeypatch):
+    log = tmp_path / "smi.csv"
+    mhz = [random.randint(345, 1980) for _ in range(3)]
+    log.write_text(f"2026/12/03 16:37:01.000, {mhz[0]}, 400, 45, 0x0\n2026/12/03 16:37:02.000, {mhz[1]}, 4")
+    monkeypatch.setattr(gpu_clock.shutil, "which", lambda name: None)
+    sampler = gpu_clock.ClockSampler()
+    sampler.path = str(log)
+    first = gpu_clock.read_samples(str(log))[0][0]
+    assert sampler.window(first, first + 10)["samples"] == 1  # the half-written line waits
+    with open(log, "a") as f:
+        f.write(f"10, 45, 0x0\n2026/12/03 16:37:03.000, {mhz[2]}, 420, 45, 0x0\n")
+    got = sampler.window(first + 0.5, first + 10)
+    assert got["samples"] == 2 and (got["mhz_min"], got["mhz_max"]) == (min(mhz[1:]), max(mhz[1:]))
+    assert got["watts"] == 415.0
+    assert sampler.window(first, first + 10)["samples"] == 3  # earlier samples are kept for overlapping windows
+
+
 def test_bench_attention_keeps_each_timing_beside_its_clock(monkeypatch):
     import torch
 
