@@ -32,10 +32,20 @@ def parse_sample(line: str) -> tuple[float, float, float, str] | None:
         return None
 
 
-def read_samples(path: str) -> list[tuple[float, float, float, str]]:
-    """Every sample in a file of nvidia-smi's CSV, skipping lines it could not fill."""
-    with open(path) as f:
-        return [s for s in map(parse_sample, f) if s is not None]
+def read_samples(path: str, offset: int = 0) -> tuple[list[tuple[float, float, float, str]], int]:
+    """The samples in the whole lines of nvidia-smi's CSV from byte `offset` on, skipping lines it could not fill, and
+    the offset after the last whole line (a line nvidia-smi is still writing waits for the next read)."""
+    samples = []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            offset += len(line)
+            sample = parse_sample(line.decode(errors="replace"))
+            if sample is not None:
+                samples.append(sample)
+    return samples, offset
 
 
 try:  # bound here, so that the child runs no import between fork and exec
@@ -75,24 +85,14 @@ class ClockSampler:
         """The samples taken between unix times t0 and t1, summarised; None without a sampler or samples."""
         if self.path is None:
             return None
-        self._read_new()
+        new, self.offset = read_samples(self.path, self.offset)
+        self.samples += new
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if not inside:
             return None
         return {"mhz": statistics.median(s[1] for s in inside), "mhz_min": min(s[1] for s in inside),
                 "mhz_max": max(s[1] for s in inside), "watts": statistics.median(s[2] for s in inside),
                 "reasons": sorted({s[3] for s in inside}), "samples": len(inside)}
-
-    def _read_new(self) -> None:
-        with open(self.path) as f:
-            f.seek(self.offset)
-            for line in iter(f.readline, ""):
-                if not line.endswith("\n"):  # nvidia-smi is still writing it
-                    break
-                self.offset = f.tell()
-                sample = parse_sample(line)
-                if sample is not None:
-                    self.samples.append(sample)
 
     def close(self) -> None:
         if self.proc is not None:

@@ -19,7 +19,8 @@ def test_samples_keep_time_clock_power_and_reasons(tmp_path):
                    "nvidia-smi: some warning\n"
                    "2026/12/03 16:37:01.270, [N/A], 690.00, 45, 0x0000000000000000\n"
                    f"2026/12/03 16:37:01.290, {mhz + 15}, {watts}, 46, 0x0000000000000000\n")
-    samples = gpu_clock.read_samples(str(log))
+    samples, end = gpu_clock.read_samples(str(log))
+    assert end == log.stat().st_size and gpu_clock.read_samples(str(log), end) == ([], end)
     assert [(s[1], s[2], s[3]) for s in samples] == [(mhz, watts, "0x0000000000000004"),
                                                      (mhz + 15, watts, "0x0000000000000000")]
     assert abs((samples[1][0] - samples[0][0]) - 0.04) < 1e-6  # the milliseconds are kept
@@ -34,7 +35,8 @@ def test_a_window_summarises_the_samples_inside_it(tmp_path, monkeypatch):
     sampler = gpu_clock.ClockSampler()
     assert sampler.window(0.0, 2e9) is None
     sampler.path = str(log)  # as if nvidia-smi had written these
-    first = gpu_clock.read_samples(str(log))[0][0]
+    samples, _ = gpu_clock.read_samples(str(log))
+    first = samples[0][0]  # the first sample's time
     got = sampler.window(first + 1.0, first + 3.0)  # samples 1, 2, 3
     assert got["samples"] == 3 and got["mhz"] == sorted(clocks[1:4])[1]
     assert (got["mhz_min"], got["mhz_max"]) == (min(clocks[1:4]), max(clocks[1:4]))
@@ -49,7 +51,8 @@ def test_a_later_window_sees_lines_written_since_the_last_one(tmp_path, monkeypa
     monkeypatch.setattr(gpu_clock.shutil, "which", lambda name: None)
     sampler = gpu_clock.ClockSampler()
     sampler.path = str(log)
-    first = gpu_clock.read_samples(str(log))[0][0]
+    samples, _ = gpu_clock.read_samples(str(log))
+    first = samples[0][0]  # the first sample's time
     assert sampler.window(first, first + 10)["samples"] == 1  # the half-written line waits
     with open(log, "a") as f:
         f.write(f"10, 45, 0x0\n2026/12/03 16:37:03.000, {mhz[2]}, 420, 45, 0x0\n")
