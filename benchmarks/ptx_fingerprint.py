@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -56,12 +57,16 @@ def fingerprints() -> dict[str, str]:
     return out
 
 
+_CONSTANT_COPY = re.compile(r"\.global \.align \d+ \.[a-z]+\d+ \w+( = .*)?;$")
+
+
 def _hash(source: str) -> str:
     ptx = nvrtc.ptx(source, FLAGS, name="k.cu")
-    # Comments and the module-level copies of constexpr constants (".global .align 4 .u32 NAME = value;",
-    # which the code itself does not read: it uses the values inlined) are not code.
+    # Comments and the module-level copies of constexpr constants (".global .align 4 .u32 NAME = value;", or
+    # without the initializer where the value is 0 or false; the code itself does not read them: it uses the
+    # values inlined) are not code.
     code = "\n".join(line for line in ptx.splitlines()
-                     if not line.startswith("//") and not (line.startswith(".global") and " = " in line))
+                     if not line.startswith("//") and not _CONSTANT_COPY.match(line))
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 

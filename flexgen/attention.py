@@ -302,6 +302,9 @@ def flex_attention(
     elif scale < 0:
         # The kernels fold a positive scale into exp2 after the row max; (-q).k * -scale is the same score.
         query, scale = -query, -scale
+    elif scale == 0:
+        # (0 q).k * 1 is the same score, and a kernel may divide by the scale (an affine score_mod's column step).
+        query, scale = query * 0, 1.0
     want_max = return_aux is not None and bool(return_aux.max_scores)
     args = (mask_tensors(bm), buffers, float(scale), variant, float(dropout_p), _dropout_rng(dropout_p), want_max,
             reason is not None)

@@ -61,8 +61,8 @@ def signature(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
     subclasses, dropout, a negative scale, a mask or options of unexpected types, a nested tensor)."""
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
-    if dropout_p or (scale is not None and not (type(scale) in (float, int) and scale >= 0)):
-        return None  # (a negative scale moves its sign onto the query, a copy per call)
+    if dropout_p or (scale is not None and not (type(scale) in (float, int) and scale > 0)):
+        return None  # (a negative or zero scale moves onto the query, a copy per call)
     try:
         options = ()
         if kernel_options:

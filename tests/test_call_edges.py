@@ -319,7 +319,7 @@ def test_dim_order():
 # ---------------------------------------------------------------- 6. kernel_options
 
 
-@pytest.mark.parametrize("flag", ["deterministic", "precise_math", "pingpong", "persistent"])
+@pytest.mark.parametrize("flag", ["deterministic", "precise_math", "pingpong", "persistent", "fold_score"])
 @pytest.mark.parametrize("value", ["False", 0, 1, None])
 def test_flags_must_be_bools(flag, value):
     with pytest.raises(OptionError, match=f"{flag} must be True or False"):

@@ -102,6 +102,9 @@ class LoweredMods:
     helpers: tuple[str, ...]  # names of the helper functions in mod_args_decl
     mask_reads_buffers: bool = False  # the forward then evaluates the mask before QK^T (register pressure)
     grad_sites: int = 0  # buffer-gradient sites in score_mod_bwd: > 0 means it takes `FlexgenGradSlots& grads`
+    # kind "fwd", score_mods of a shape the forward folds into terms per row, column and head ("" for others):
+    score_affine_fn: str = ""  # affine in the indices (ALiBi, dsl/affine.py): score_mod_affine, its coefficients
+    score_softcap_fn: str = ""  # outer * tanh(inner * score) (dsl/softcap.py): score_mod_softcap, the two factors
 
     @property
     def code(self) -> str:
@@ -520,6 +523,50 @@ def _score_fn(expr: Node | None, names, helpers) -> str:
     return _function(_inline_or_call(SCORE_SIGNATURE, [expr]), _expr_comment("score_mod: ", expr), body, result)
 
 
+def _score_affine_fn(expr: Node | None, names, helpers) -> str:
+    """score_mod_affine(b, h, args, kv_coef, q_coef, bias) where score_mod is score + kv_coef * kv_idx +
+    q_coef * q_idx + bias for fixed b and h (ALiBi); "" for any other score_mod. A forward can then add the
+    index terms per row and per column instead of evaluating score_mod at every score."""
+    from ..dsl.affine import affine_score
+
+    terms = affine_score(expr) if expr is not None else None
+    if terms is None:
+        return ""
+    roots = [terms.kv_coef, terms.q_coef, terms.bias]
+    body = _Body(roots, names, helpers)
+    comment = _expr_comment("score_mod, affine in the indices: ", expr) + [
+        f"  = score + kv_idx * {pretty(terms.kv_coef, 200)} + q_idx * {pretty(terms.q_coef, 200)} + "
+        f"{pretty(terms.bias, 200)}"]
+    lines = [f"// {_comment(c)}" for c in comment]
+    lines.append("__device__ __forceinline__ void score_mod_affine(int b, int h, const ModArgs& args, float& kv_coef, "
+                 "float& q_coef, float& bias) {")
+    lines += body.lines
+    lines += [f"    {name} = {_unparen(body[root])};" for name, root in zip(("kv_coef", "q_coef", "bias"), roots)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _score_softcap_fn(expr: Node | None, names, helpers) -> str:
+    """score_mod_softcap(b, h, args, outer, inner) where score_mod is outer * tanh(inner * score) for fixed b and h
+    (logit soft-capping); "" for any other score_mod."""
+    from ..dsl.softcap import softcap_score
+
+    terms = softcap_score(expr) if expr is not None else None
+    if terms is None:
+        return ""
+    roots = [terms.outer, terms.inner]
+    body = _Body(roots, names, helpers)
+    comment = _expr_comment("score_mod, a soft cap: ", expr) + [
+        f"  = {pretty(terms.outer, 200)} * tanh({pretty(terms.inner, 200)} * score)"]
+    lines = [f"// {_comment(c)}" for c in comment]
+    lines.append("__device__ __forceinline__ void score_mod_softcap(int b, int h, const ModArgs& args, float& outer, "
+                 "float& inner) {")
+    lines += body.lines
+    lines += [f"    {name} = {_unparen(body[root])};" for name, root in zip(("outer", "inner"), roots)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _mask_fn(expr: Node | None, names, helpers) -> str:
     if expr is None:
         return _function(MASK_SIGNATURE, ["mask_mod: none (every position is visible)"], _Body([], names, helpers), "true")
@@ -649,6 +696,8 @@ def lower_mods(spec) -> LoweredMods:
                                            spec.deterministic)
     else:
         bwd_fn, grad_sites = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}", 0
+    affine_fn = _score_affine_fn(spec.score_expr, names, helpers) if spec.kind == "fwd" else ""
+    softcap_fn = _score_softcap_fn(spec.score_expr, names, helpers) if spec.kind == "fwd" else ""
     precise = "#define FLEXGEN_PRECISE_MATH 1" if spec.option("precise_math") else ""
     decl = "\n\n".join(filter(None, [precise, _helper_text(helpers), _struct(fields)]))
     return LoweredMods(
@@ -663,4 +712,6 @@ def lower_mods(spec) -> LoweredMods:
         helpers=tuple(sorted(h for h in helpers if h.startswith("fg_"))),
         mask_reads_buffers=spec.mask_expr is not None and bool(buffers_of(spec.mask_expr)),
         grad_sites=grad_sites,
+        score_affine_fn=affine_fn,
+        score_softcap_fn=softcap_fn,
     )
