@@ -523,6 +523,19 @@ def _score_fn(expr: Node | None, names, helpers) -> str:
     return _function(_inline_or_call(SCORE_SIGNATURE, [expr]), _expr_comment("score_mod: ", expr), body, result)
 
 
+def _per_head_fn(name: str, comment: list[str], outputs: dict[str, Node], names, helpers) -> str:
+    """`void name(int b, int h, const ModArgs& args, float& out...)`: values that depend on b and h only, for a
+    forward that folds the score_mod into terms of its own."""
+    body = _Body(list(outputs.values()), names, helpers)
+    params = ", ".join(f"float& {out}" for out in outputs)
+    lines = [f"// {_comment(c)}" for c in comment]
+    lines.append(f"__device__ __forceinline__ void {name}(int b, int h, const ModArgs& args, {params}) {{")
+    lines += body.lines
+    lines += [f"    {out} = {_unparen(body[node])};" for out, node in outputs.items()]
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _score_affine_fn(expr: Node | None, names, helpers) -> str:
     """score_mod_affine(b, h, args, kv_coef, q_coef, bias) where score_mod is score + kv_coef * kv_idx +
     q_coef * q_idx + bias for fixed b and h (ALiBi); "" for any other score_mod. A forward can then add the
@@ -532,18 +545,11 @@ def _score_affine_fn(expr: Node | None, names, helpers) -> str:
     terms = affine_score(expr) if expr is not None else None
     if terms is None:
         return ""
-    roots = [terms.kv_coef, terms.q_coef, terms.bias]
-    body = _Body(roots, names, helpers)
     comment = _expr_comment("score_mod, affine in the indices: ", expr) + [
         f"  = score + kv_idx * {pretty(terms.kv_coef, 200)} + q_idx * {pretty(terms.q_coef, 200)} + "
         f"{pretty(terms.bias, 200)}"]
-    lines = [f"// {_comment(c)}" for c in comment]
-    lines.append("__device__ __forceinline__ void score_mod_affine(int b, int h, const ModArgs& args, float& kv_coef, "
-                 "float& q_coef, float& bias) {")
-    lines += body.lines
-    lines += [f"    {name} = {_unparen(body[root])};" for name, root in zip(("kv_coef", "q_coef", "bias"), roots)]
-    lines.append("}")
-    return "\n".join(lines)
+    return _per_head_fn("score_mod_affine", comment,
+                        {"kv_coef": terms.kv_coef, "q_coef": terms.q_coef, "bias": terms.bias}, names, helpers)
 
 
 def _score_softcap_fn(expr: Node | None, names, helpers) -> str:
@@ -554,17 +560,9 @@ def _score_softcap_fn(expr: Node | None, names, helpers) -> str:
     terms = softcap_score(expr) if expr is not None else None
     if terms is None:
         return ""
-    roots = [terms.outer, terms.inner]
-    body = _Body(roots, names, helpers)
     comment = _expr_comment("score_mod, a soft cap: ", expr) + [
         f"  = {pretty(terms.outer, 200)} * tanh({pretty(terms.inner, 200)} * score)"]
-    lines = [f"// {_comment(c)}" for c in comment]
-    lines.append("__device__ __forceinline__ void score_mod_softcap(int b, int h, const ModArgs& args, float& outer, "
-                 "float& inner) {")
-    lines += body.lines
-    lines += [f"    {name} = {_unparen(body[root])};" for name, root in zip(("outer", "inner"), roots)]
-    lines.append("}")
-    return "\n".join(lines)
+    return _per_head_fn("score_mod_softcap", comment, {"outer": terms.outer, "inner": terms.inner}, names, helpers)
 
 
 def _mask_fn(expr: Node | None, names, helpers) -> str:

@@ -19,7 +19,7 @@ from .simplify import simplify
 MAX_INT_COEF = 2**8  # |q/kv coefficient| of an integer form, and of an integer multiplier
 MAX_INT_ATOM = 2**16  # |integer constant| allowed as a term of an integer form
 MAX_INT_CONST = 2**24  # |combined integer constant|: exact in float32, far from int32's limits
-_FREE_INPUTS = frozenset({"b", "h"})
+PER_HEAD_INPUTS = frozenset({"b", "h"})  # what a coefficient may read: it is computed once per (b, h)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def affine_score(expr: Node) -> AffineScore | None:
     for n in postorder(expr):  # iterative, each shared node once
         used = frozenset({n.attr}) if n.op == "input" else frozenset().union(*(inputs[a.digest] for a in n.args))
         inputs[n.digest] = used
-        if n.dtype is DType.FLOAT32 and used <= _FREE_INPUTS:
+        if n.dtype is DType.FLOAT32 and used <= PER_HEAD_INPUTS:
             forms[n.digest] = (None, None, None, n)  # evaluated as is, once per (b, h)
         elif n.dtype.is_int:
             forms[n.digest] = _int_form(n, [forms[a.digest] for a in n.args])

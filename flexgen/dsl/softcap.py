@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import ir
+from .affine import PER_HEAD_INPUTS
 from .ir import DType, Node, inputs_of
 from .simplify import simplify
-
-_FREE_INPUTS = frozenset({"b", "h"})
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ def softcap_score(expr: Node) -> SoftcapScore | None:
 
 
 def _free(n: Node) -> bool:
-    return n.dtype is DType.FLOAT32 and inputs_of(n) <= _FREE_INPUTS
+    return n.dtype is DType.FLOAT32 and inputs_of(n) <= PER_HEAD_INPUTS
 
 
 def _scaled(n: Node) -> tuple[Node, Node | None]:
