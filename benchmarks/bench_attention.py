@@ -22,7 +22,8 @@ Implementations:
   sdpa-math     SDPA's math backend (opt-in; the only one that also runs on a CPU)
 
 Variants: full; causal; sliding1024 = causal and q-kv < 1024; alibi-causal = score +
-2^(-8(h+1)/H) * (kv - q), causal; softcap30-causal = 30 tanh(score/30), causal;
+2^(-8(h+1)/H) * (kv - q), causal; alibi-slopes-causal = the same with the slopes read from a captured
+tensor (opt-in; FA4 not set up for it); softcap30-causal = 30 tanh(score/30), causal;
 document-causal = packed documents of random lengths in [N/16, N/3), causal within each;
 prefix-lm = the first N/4 keys visible to every query, causal otherwise.
 
@@ -146,6 +147,13 @@ def build_variant(name: str, n: int, heads: int, device) -> Variant:
             return score + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
 
         return Variant(name, score=alibi, mask=causal, params={"heads": heads})
+    if name == "alibi-slopes-causal":
+        slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+
+        def alibi_slopes(score, b, h, q_idx, kv_idx):  # the slopes as a captured tensor, as attention-gym has them
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        return Variant(name, score=alibi_slopes, mask=causal, params={"heads": heads})
     if name.startswith("softcap"):
         cap = float(name[len("softcap"):].split("-")[0] or 30)
 

@@ -46,16 +46,20 @@ def _spec(name, D):
 def test_compiles_without_spills_and_matches_host_layouts(name, D):
     spec, score, mask = _spec(name, D)
     # Per-element score loads (relative_bias) keep the KV tile at 64 columns; D = 64 takes three consumer
-    # warpgroups on 192-row tiles unless a mod reads a buffer (ALiBi's slopes, document ids, bias tables).
+    # warpgroups on 192-row tiles unless a mod reads a buffer in its loop (document ids, bias tables; ALiBi's
+    # slopes are read once per work tile, as its score_mod folds).
     block_n = 64 if name == "relative_bias" else 128
-    three = D == 64 and name in ("none", "causal", "softcap_causal")
+    three = D == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
     assert kernel.cubin[:4] == b"\x7fELF"
     assert "sm90 family" in kernel.source
     # A few bytes spill where buffer reads keep pointers across the KV loop (NVRTC 13.5: document at
     # D=128 16 B, relative_bias at D=64 144 B, reloaded once per KV tile); more is a regression.
-    assert kernel.resources.get("spill_stores_bytes", 0) <= 160, f"{name} D={D} spills: {kernel.resources}"
+    # ALiBi with a causal mask on three warpgroups spills 352 B and still runs 7% faster than on two
+    # (docs/forward-sm90.md); more is a regression there too.
+    limit = 400 if (name, D) == ("alibi_causal", 64) else 160
+    assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
     # Both products are wgmma: S = QK^T as m64n{BLOCK_N}k16 (A, B from shared memory), O += PV as m64n{D}k16.
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16", kernel.ptx)
@@ -141,7 +145,17 @@ def test_tile_choice():
     assert plan("fwd", "sm_90a", 64, "bf16", None, causal, mask_block=(128, 64), blocks_follow_mask=True).family \
         == "sm80"  # KV blocks below the tile
     assert derived(64, mask_expr=document, mask_block=(128, 128)) == (128, 128, 8, 2)
-    assert derived(64, score_expr=V.alibi(4).expr, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)
+    # A score_mod that reads buffers keeps two warpgroups, unless it folds into per-head terms (ALiBi's slopes are
+    # then read once per work tile): not with fold_score off.
+    alibi = V.alibi(4).expr
+    assert derived(64, score_expr=alibi, mask_expr=causal, mask_block=(128, 128)) == (192, 128, 12, 2)
+    assert derived(64, score_expr=alibi, mask_expr=causal, mask_block=(128, 128),
+                   extra=(("fold_score", False),)) == (128, 128, 8, 2)
+    caps = torch.full((4,), 30.0)
+    capped = flexgen.score_mod(lambda s, b, h, q, kv: caps[h] * torch.tanh(s / caps[h])).expr
+    assert derived(64, score_expr=capped, mask_expr=causal, mask_block=(128, 128)) == (192, 128, 12, 2)
+    scaled = flexgen.score_mod(lambda s, b, h, q, kv, w=torch.ones(4): s * w[h]).expr  # (does not fold)
+    assert derived(64, score_expr=scaled, mask_expr=causal, mask_block=(128, 128)) == (128, 128, 8, 2)
     assert derived(64, mask_expr=causal) == (128, 128, 8, 2)
     long = V.causal
     for i in range(12):  # 25 operations: the 160 registers of a consumer would spill

@@ -34,6 +34,7 @@ class Call:
     blocks_follow_mask: bool = False  # its lists were computed from the mask_mod (BlockMask.blocks_follow_mask_mod)
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
+    score_folds: bool = False  # a forward's score_mod folds into per-head terms (dsl/affine.py, dsl/softcap.py)
     mask_loads: bool = False  # mask_mod reads a buffer
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
@@ -206,10 +207,12 @@ class SM90(Family):
     # At D = 64 the softmax of a tile costs as much as its two products: three consumer warpgroups take
     # turns on the tensor cores. Under a block mask whose query blocks a 192-row tile straddles, the forward
     # walks the union of the blocks' lists (runtime/coarse_rows.py), where those follow the mask_mod (a mask from
-    # create_block_mask; hand-made lists keep the 128-row tile); not where a mod reads buffers (their
-    # addresses spill at 160 registers: 200-390 B) or is long (attention-gym's tiled NATTEN and STA masks,
-    # 31-44 operations, spill 44-256 B; its masks up to 16 operations spill nothing), nor for a mask_mod
-    # planned without its block mask, nor with dropout (Philox's state spills 532 B).
+    # create_block_mask; hand-made lists keep the 128-row tile); not where a mod reads buffers per score (their
+    # addresses spill at 160 registers: 200-390 B; a score_mod that folds into per-head terms, ALiBi with a
+    # slopes tensor, reads them once per work tile and takes the 192 rows: 7% faster, docs/forward-sm90.md) or
+    # is long (attention-gym's tiled NATTEN and STA masks, 31-44 operations, spill 44-256 B; its masks up to 16
+    # operations spill nothing), nor for a mask_mod planned without its block mask, nor with dropout (Philox's
+    # state spills 532 B).
     FWD_THREE_WG = (192, 128, 12, 2)
     THREE_WG_MAX_OPS = 24
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
@@ -251,8 +254,10 @@ class SM90(Family):
         if call.kind == "fwd":
             small_mods = call.mod_ops <= self.THREE_WG_MAX_OPS and not call.score_loads_per_element
             unmasked = call.mask_block is None and not call.masked
+            # (a folded score_mod reads its buffers once per work tile, not per score: no pointers across the loop)
+            loads_in_loop = call.mask_loads or (call.mod_loads and not call.score_folds)
             blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
-                       and not call.mod_loads
+                       and not loads_in_loop
                        and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
             three = call.head_dim == 64 and small_mods and (unmasked or blocked) and not call.dropout
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))

@@ -59,6 +59,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 blocks_follow_mask=blocks_follow_mask,
                 masked=mask_expr is not None,
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
+                score_folds=score_loads and _score_folds(kind, score_expr, extra),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
@@ -68,6 +69,17 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
 
 
 _plan_cached = functools.lru_cache(maxsize=4096)(_plan)
+
+
+def _score_folds(kind: str, score_expr: Node, extra) -> bool:
+    """Whether a forward's score_mod reduces to per-head terms that a forward computes once per work tile
+    (ALiBi-like or a soft cap; the `fold_score` option, on by default)."""
+    if kind != "fwd" or not dict(extra).get("fold_score", True):
+        return False
+    from ..dsl.affine import affine_score
+    from ..dsl.softcap import softcap_score
+
+    return affine_score(score_expr) is not None or softcap_score(score_expr) is not None
 
 
 def _operations(expr: Node) -> int:
