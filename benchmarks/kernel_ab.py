@@ -23,7 +23,7 @@ from pathlib import Path
 
 LAUNCHES = 4
 KERNEL = {"fwd": "^flexgen_fwd$", "bwd": "^flexgen_bwd$"}
-CASES = {  # (head dim, bench_attention.py variant): B = 2, H = 16, N = 8k, bf16
+CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) and 16k tokens per batch, bf16
     "fwd": [(128, "full"), (128, "causal"), (128, "sliding1024"), (128, "alibi-causal"), (128, "softcap30-causal"),
             (128, "document-causal"), (64, "full"), (64, "causal"), (64, "sliding1024"), (64, "alibi-causal"),
             (64, "softcap30-causal"), (64, "alibi-slopes-causal")],
@@ -32,7 +32,7 @@ CASES = {  # (head dim, bench_attention.py variant): B = 2, H = 16, N = 8k, bf16
 }
 
 
-def run_cases(kind: str, n: int = 8192, heads: int = 16, batch: int = 2, device: str = "cuda") -> None:
+def run_cases(kind: str, n: int = 8192, heads: int = 16, tokens: int = 16384, device: str = "cuda") -> None:
     """The launches ncu measures, in CASES order, each case announced by a `CASE <D> <variant>` line; the variants
     are bench_attention.py's, so a change is measured on the cases results.md reports."""
     import torch
@@ -42,12 +42,13 @@ def run_cases(kind: str, n: int = 8192, heads: int = 16, batch: int = 2, device:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_attention import build_variant
 
+    batch = max(1, tokens // n)  # (as bench_attention.py: the same tokens per batch at every length)
     for d, name in CASES[kind]:
         variant = build_variant(name, n, heads, torch.device(device))
         q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=kind == "bwd")
                    for _ in range(3))
         bm = flexgen.create_block_mask(variant.mask, None, None, n, n, device=device) if variant.mask is not None else None
-        print(f"CASE {d} {name}", flush=True)
+        print(f"CASE {d} {name}" + ("" if n == 8192 else f" N={n}"), flush=True)
         if kind == "fwd":
             for _ in range(LAUNCHES):
                 flexgen.flex_attention(q, k, v, score_mod=variant.score, block_mask=bm)
@@ -61,7 +62,7 @@ def run_cases(kind: str, n: int = 8192, heads: int = 16, batch: int = 2, device:
             torch.cuda.synchronize()
 
 
-def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float) -> None:
+def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float, n: int = 8192) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "trees.txt").write_text(" ".join(label for label, _ in trees) + "\n")
     script = Path(__file__).resolve()
@@ -70,7 +71,8 @@ def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeou
             env = dict(os.environ, FLEXGEN_CACHE_DIR=f"/tmp/kernel_ab_cache_{label}",
                        PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
             cmd = ["ncu", "--clock-control", "base", "--kernel-name", f"regex:{KERNEL[kind]}",
-                   "--metrics", "gpu__time_duration.sum", "--csv", sys.executable, str(script), "cases", "--kind", kind]
+                   "--metrics", "gpu__time_duration.sum", "--csv", sys.executable, str(script), "cases", "--kind", kind,
+                   "--seqlen", str(n)]
             path = out / f"ncu_{label}_r{r}.csv"
             with open(path, "w") as f:
                 rc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
@@ -122,17 +124,20 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cases", help="run the launches (under ncu)")
     c.add_argument("--kind", choices=sorted(KERNEL), required=True)
+    c.add_argument("--seqlen", type=int, default=8192)
     r = sub.add_parser("run", help="on the GPU machine: every tree under ncu, alternated")
     r.add_argument("--kind", choices=sorted(KERNEL), required=True)
     r.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR", help="first: the baseline")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
+    r.add_argument("--seqlen", type=int, default=8192, help="N of every case, with 16384 // N sequences per batch "
+                   "(short N: the fixed costs per work tile weigh more)")
     s = sub.add_parser("report", help="the table from a run's CSVs")
     s.add_argument("folder", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "cases":
-        run_cases(args.kind)
+        run_cases(args.kind, n=args.seqlen)
     elif args.cmd == "run":
         trees = []
         for item in args.tree:
@@ -140,7 +145,7 @@ def main(argv=None) -> None:
             if not sep or not re.fullmatch(r"[A-Za-z0-9-]+", label) or not (Path(folder) / "flexgen").is_dir():
                 p.error(f"--tree {item!r}: expected LABEL=DIR (LABEL letters, digits, '-'), DIR holding a flexgen tree")
             trees.append((label, Path(folder).resolve()))
-        run(args.kind, trees, args.rounds, args.out, args.timeout)
+        run(args.kind, trees, args.rounds, args.out, args.timeout, n=args.seqlen)
         print(report(args.out))
     else:
         print(report(args.folder))
