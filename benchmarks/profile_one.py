@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -19,7 +21,9 @@ import flexgen
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variant", default="none", choices=("none", "causal", "softcap-causal", "alibi-causal", "document"))
+    p.add_argument("--variant", default="full",
+                   help="a bench_attention.py variant (full, causal, sliding1024, alibi-causal, alibi-slopes-causal, "
+                        "softcap30-causal, document-causal, prefix-lm, ...); 'none' is full")
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
@@ -34,19 +38,13 @@ def main() -> None:
     n, d = args.seqlen, args.head_dim
     q, k, v = (torch.randn(args.batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    score, bm = None, None
-    if args.variant == "softcap-causal":
-        score = flexgen.variants.softcap(30.0)
-    if args.variant == "alibi-causal":
-        heads = args.heads
+    # The benchmark's own variants, so that a profile is of the case results.md reports.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_attention import build_variant
 
-        def score(s, b, h, q_idx, kv_idx):  # the benchmark's ALiBi: slopes computed in the mod
-            return s + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
-    if args.variant in ("causal", "softcap-causal", "alibi-causal"):
-        bm = flexgen.create_block_mask(flexgen.variants.causal, None, None, n, n)
-    if args.variant == "document":
-        ids = torch.arange(n, device="cuda", dtype=torch.int32) // (n // 6 + 1)
-        bm = flexgen.create_block_mask(flexgen.variants.document(ids), None, None, n, n)
+    variant = build_variant("full" if args.variant == "none" else args.variant, n, args.heads, torch.device("cuda"))
+    score = variant.score
+    bm = None if variant.mask is None else flexgen.create_block_mask(variant.mask, None, None, n, n)
     for _ in range(2):
         out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, kernel_options=opts)
         if not args.fwd_only:
@@ -56,7 +54,7 @@ def main() -> None:
 
 
 def run_fa4(args) -> None:
-    if args.variant not in ("none", "causal"):
+    if args.variant not in ("none", "full", "causal"):
         raise SystemExit(f"--impl fa4 runs full or causal attention, not {args.variant!r}")
     from flash_attn.cute.interface import flash_attn_func
 
