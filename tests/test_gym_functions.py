@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import flex_attention as torch_flex
 
 import flexgen
@@ -231,6 +232,172 @@ _PREFIX = torch.tensor([3, 11])
 _SLOPES = torch.rand(H) * 0.5
 _T5 = torch.randn(H, 2 * 7 + 1)
 _WINDOWS = torch.tensor([1, 4, 9, 64], dtype=torch.int32)
+
+# ---------------------------------------------------------------- attention-gym's newer masks and mods
+
+
+def generate_global_window(radius, is_global):
+    """Longformer's symmetric window and global tokens, combined with torch's or_masks."""
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= radius
+
+    def global_tokens(b, h, q_idx, kv_idx):
+        return is_global[q_idx] | is_global[kv_idx]
+
+    return torch_flex.or_masks(window, global_tokens)
+
+
+def generate_shared_prefix(offsets, prefix_of):
+    """Packed prompt / continuation documents: a continuation also sees its whole prompt (nested gathers)."""
+    document_id = _offsets_to_doc_ids_tensor(offsets)
+
+    def shared_prefix(b, h, q_idx, kv_idx):
+        doc = document_id[q_idx]
+        prefix = prefix_of[doc]
+        own = (kv_idx >= offsets[doc]) & (q_idx >= kv_idx)
+        prompt = (doc != prefix) & (kv_idx >= offsets[prefix]) & (kv_idx < offsets[prefix + 1])
+        return own | prompt
+
+    return shared_prefix
+
+
+def generate_tree_verify(prefix_length, ancestors):
+    """Speculative tree verification: the prefix, then the query node's ancestors (a 2-D bool table, keyword clamp)."""
+    nodes = ancestors.shape[0]
+
+    def tree(b, h, q_idx, kv_idx):
+        node = (kv_idx - prefix_length).clamp(min=0, max=nodes - 1)
+        in_tree = (kv_idx >= prefix_length) & (kv_idx < prefix_length + nodes)
+        return (kv_idx < prefix_length) | (in_tree & ancestors[q_idx, node])
+
+    return tree
+
+
+def generate_block_draft(prefix_length, block):
+    """Draft-head training: the prefix, then causal within the query's own block of keys after it."""
+    def draft(b, h, q_idx, kv_idx):
+        key = kv_idx - prefix_length
+        same = (q_idx // block == key // block) & (key % block <= q_idx % block)
+        return (kv_idx < prefix_length) | ((kv_idx >= prefix_length) & same)
+
+    return draft
+
+
+def generate_grouped(mask_mod, group):
+    """A mask applied within groups of `group` tokens only, on the in-group positions."""
+    def grouped(b, h, q_idx, kv_idx):
+        return (q_idx // group == kv_idx // group) & mask_mod(b, h, q_idx % group, kv_idx % group)
+
+    return grouped
+
+
+def generate_frame_masks(prompt, per_frame, width):
+    """Video: the prompt row and column, plus a band over positions (spatial) or within-frame offsets (temporal)."""
+    def spatial(b, h, q_idx, kv_idx):
+        return (kv_idx < prompt) | (q_idx < prompt) | (torch.abs(q_idx - kv_idx) < width * per_frame)
+
+    def temporal(b, h, q_idx, kv_idx):
+        q_in, kv_in = (q_idx - prompt) % per_frame, (kv_idx - prompt) % per_frame  # (negative before the prompt's end)
+        return (kv_idx < prompt) | (q_idx < prompt) | (torch.abs(q_in - kv_in) < width)
+
+    return spatial, temporal
+
+
+def generate_distance_bias(table, distances):
+    """Graph attention: a per-head bias looked up at a gathered shortest-path distance."""
+    def distance_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, distances[b, q_idx, kv_idx]]
+
+    return distance_bias
+
+
+def generate_path_bias(tables, path_types, path_lengths):
+    """Graph attention: the mean over a path's edges of per-position tables (views of one 3-D table)."""
+    def path_bias(score, b, h, q_idx, kv_idx):
+        length = path_lengths[b, q_idx, kv_idx]
+        total = 0.0
+        for n, table in enumerate(tables):
+            total = total + torch.where(length > n, table[h, path_types[b, q_idx, kv_idx, n]], 0.0)
+        return score + total / torch.clamp(length, min=1)
+
+    return path_bias
+
+
+def generate_relative_table_bias(table, per_head, offset):
+    def relative_table(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + offset] * per_head[h]
+
+    return relative_table
+
+
+def generate_activation(activation, offset):
+    """Softmax replaced by another activation: score_mod = log(f(score) + offset)."""
+    def activation_mod(score, b, h, q_idx, kv_idx):
+        return torch.log(activation(score) + offset)
+
+    return activation_mod
+
+
+_GEN = torch.Generator().manual_seed(7)
+_GLOBAL = torch.zeros(41, dtype=torch.bool)
+_GLOBAL[[0, 17]] = True
+_PREFIX_OF = torch.tensor([0, 0, 0, 3, 3], dtype=torch.int32)
+_ANCESTORS = torch.eye(7, dtype=torch.bool)
+for _node, _parent in enumerate([-1, 0, 1, 1, 3, 3, 0][1:], start=1):
+    _ANCESTORS[_node] |= _ANCESTORS[_parent]
+_DISTANCES = torch.randint(0, 6, (B, 33, 41), generator=_GEN, dtype=torch.int32)
+_EDGE = torch.randn(H, 3, 5, generator=_GEN)
+_PATH_TYPES = torch.randint(0, 5, (B, 33, 41, 3), generator=_GEN, dtype=torch.int32)
+_PATH_LENGTHS = torch.randint(0, 4, (B, 33, 41), generator=_GEN, dtype=torch.int32)
+_SPATIAL, _TEMPORAL = generate_frame_masks(3, 5, 2)
+
+NEWER_MASKS = {
+    "global_window": (generate_global_window(3, _GLOBAL), {}),
+    "shared_prefix": (generate_shared_prefix(_OFFSETS, _PREFIX_OF), dict(q_len=33, kv_len=33)),
+    "tree_verify": (generate_tree_verify(5, _ANCESTORS), dict(q_len=7, kv_len=12)),
+    "block_draft": (generate_block_draft(5, 4), dict(q_len=12, kv_len=17)),
+    "grouped_noop": (generate_grouped(torch_flex.noop_mask, 4), {}),
+    "grouped_causal": (generate_grouped(causal_mask, 4), {}),
+    "frames_spatial": (_SPATIAL, {}),
+    "frames_temporal": (_TEMPORAL, {}),
+}
+
+NEWER_SCORES = {
+    "distance_bias": (generate_distance_bias(torch.randn(H, 6, generator=_GEN), _DISTANCES), {}),
+    "path_bias": (generate_path_bias([_EDGE[:, n] for n in range(3)], _PATH_TYPES, _PATH_LENGTHS), {}),
+    "relative_table": (generate_relative_table_bias(torch.randn(96, generator=_GEN), torch.rand(H, generator=_GEN), 40),
+                       {}),
+    "activation_gelu": (generate_activation(F.gelu, 1.0), {}),
+    "activation_relu": (generate_activation(F.relu, 1.0), {}),
+    "activation_elu": (generate_activation(F.elu, 2.0), {}),
+    "activation_mish": (generate_activation(F.mish, 1.0), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEWER_MASKS))
+def test_newer_gym_mask(name):
+    fn, shape = NEWER_MASKS[name]
+    check(fn, "mask", **shape)
+
+
+@pytest.mark.parametrize("name", sorted(NEWER_SCORES))
+def test_newer_gym_score(name):
+    fn, shape = NEWER_SCORES[name]
+    check(fn, "score", **shape)
+
+
+def test_latent_attention_rope_dot():
+    """MLA's decoupled RoPE term: torch.dot of two gathered rows, unrolled over the row; checked against the same
+    sum written elementwise (torch.dot itself needs 1-D tensors outside a trace)."""
+    q_rope = torch.randn(B, H, 33, 4, generator=_GEN)
+    k_rope = torch.randn(B, 1, 41, 4, generator=_GEN)
+    mod = flexgen.score_mod(lambda score, b, h, q_idx, kv_idx:
+                            score + 0.5 * torch.dot(q_rope[b, h, q_idx], k_rope[b, h // H, kv_idx]))
+    score, b, h, q, kv = grid(33, 41, 0)
+    got = mod.evaluate(float_dtype=torch.float32, **dict(zip(mod.arg_names, (score, b, h, q, kv))))
+    want = score + 0.5 * (q_rope[b, h, q] * k_rope[b, h // H, kv]).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
 
 MASKS = {
     "causal": (causal_mask, {}),
