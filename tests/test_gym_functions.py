@@ -369,8 +369,7 @@ NEWER_SCORES = {
                        {}),
     "activation_gelu": (generate_activation(F.gelu, 1.0), {}),
     "activation_relu": (generate_activation(F.relu, 1.0), {}),
-    "activation_elu": (generate_activation(F.elu, 2.0), {}),
-    "activation_mish": (generate_activation(F.mish, 1.0), {}),
+    "activation_silu": (generate_activation(F.silu, 1.0), {}),
 }
 
 

@@ -58,8 +58,6 @@ SAME_IR = [
      lambda s, b, h, q, kv: F.gelu(s, approximate="tanh") + F.gelu(s), {}),
     ("torch.nn.functional.silu(score) + F.softplus(score, beta=2, threshold=5.0)", {},
      lambda s, b, h, q, kv: F.silu(s) + F.softplus(s, beta=2, threshold=5.0), {}),
-    ("F.leaky_relu(score, 0.2) + F.elu(score, alpha=0.5) + F.hardswish(score) + F.mish(score) + F.relu6(score)", {},
-     lambda s, b, h, q, kv: F.leaky_relu(s, 0.2) + F.elu(s, alpha=0.5) + F.hardswish(s) + F.mish(s) + F.relu6(s), {}),
     ("round(score, decimals=2) + score.round() + floor(score) + ceil(score) + trunc(score) + sign(score)", {},
      lambda s, b, h, q, kv: torch.round(s, decimals=2) + s.round() + torch.floor(s) + torch.ceil(s) + torch.trunc(s)
      + torch.sign(s), {}),

@@ -58,54 +58,6 @@ def softplus(x: Node, beta: Node | None, threshold: Node) -> Node:
     return ir.where(ir.binary("gt", scaled, threshold), x, soft)
 
 
-def _positive(x: Node) -> Node:
-    return ir.binary("gt", x, _k(0.0))
-
-
-def elu(x: Node, alpha: float, scale: float = 1.0, input_scale: float = 1.0) -> Node:
-    """F.elu (and torch's selu / celu through scale and input_scale): scale * x where x > 0, else
-    scale * alpha * (exp(x * input_scale) - 1)."""
-    x = ir.cast(x, F32)
-    scaled = x if input_scale == 1.0 else _mul(x, _k(input_scale))
-    negative = ir.binary("sub", ir.unary("exp", scaled), _k(1.0))
-    negative = negative if alpha == 1.0 else _mul(_k(alpha), negative)
-    out = ir.where(_positive(x), x, negative)
-    return out if scale == 1.0 else _mul(_k(scale), out)
-
-
-def leaky_relu(x: Node, negative_slope: float) -> Node:
-    """F.leaky_relu: x where x > 0, else x * negative_slope."""
-    x = ir.cast(x, F32)
-    return ir.where(_positive(x), x, _mul(x, _k(negative_slope)))
-
-
-def hardsigmoid(x: Node) -> Node:
-    """F.hardsigmoid: 0 for x <= -3, 1 for x >= 3, else x / 6 + 1 / 2."""
-    x = ir.cast(x, F32)
-    mid = _add(ir.binary("div", x, _k(6.0)), _k(0.5))
-    return ir.where(ir.binary("le", x, _k(-3.0)), _k(0.0), ir.where(ir.binary("ge", x, _k(3.0)), _k(1.0), mid))
-
-
-def hardswish(x: Node) -> Node:
-    """F.hardswish: 0 for x <= -3, x for x >= 3, else x * (x + 3) / 6."""
-    x = ir.cast(x, F32)
-    mid = ir.binary("div", _mul(x, _add(x, _k(3.0))), _k(6.0))
-    return ir.where(ir.binary("le", x, _k(-3.0)), _k(0.0), ir.where(ir.binary("ge", x, _k(3.0)), x, mid))
-
-
-def mish(x: Node) -> Node:
-    """F.mish: x * tanh(softplus(x)), softplus without its threshold (as torch computes mish)."""
-    x = ir.cast(x, F32)
-    return _mul(x, ir.unary("tanh", ir.unary("log1p", ir.unary("exp", x))))
-
-
-def logsigmoid(x: Node) -> Node:
-    """F.logsigmoid: min(x, 0) - log1p(exp(-|x|)), which neither overflows nor loses small values."""
-    x = ir.cast(x, F32)
-    return ir.binary("sub", ir.binary("min", x, _k(0.0)),
-                     ir.unary("log1p", ir.unary("exp", ir.unary("neg", ir.unary("abs", x)))))
-
-
 def round_decimals(x: Node, decimals: int) -> Node:
     """torch.round(x, decimals=d): rint(x * 10^d) / 10^d, or rint(x / 10^-d) * 10^-d for d < 0."""
     if decimals == 0:

@@ -431,39 +431,6 @@ def softplus(tracer: Tracer, x: Value, beta: Value = 1.0, threshold: Value = 20.
     return Proxy(tracer, functional.softplus(to_node(tracer, x), beta_node, threshold_node))
 
 
-def _number(tracer: Tracer, what: str, value: Any) -> float:
-    number = as_scalar(value)
-    if number is None or isinstance(number, bool):
-        raise tracer.error(UnsupportedOperationError, f"{what} takes a Python number, got {type(value).__name__}")
-    return float(number)
-
-
-_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
-
-
-def elu(tracer: Tracer, x: Value, alpha: Value = 1.0, inplace: bool = False) -> "Proxy":
-    return Proxy(tracer, functional.elu(to_node(tracer, x), _number(tracer, "elu(alpha=...)", alpha)))
-
-
-def celu(tracer: Tracer, x: Value, alpha: Value = 1.0, inplace: bool = False) -> "Proxy":
-    a = _number(tracer, "celu(alpha=...)", alpha)
-    if a == 0:
-        raise tracer.error(UnsupportedOperationError, "celu(alpha=0): alpha must be nonzero (it divides the input)")
-    return Proxy(tracer, functional.elu(to_node(tracer, x), a, input_scale=1.0 / a))
-
-
-def leaky_relu(tracer: Tracer, x: Value, negative_slope: Value = 0.01, inplace: bool = False) -> "Proxy":
-    slope = _number(tracer, "leaky_relu(negative_slope=...)", negative_slope)
-    return Proxy(tracer, functional.leaky_relu(to_node(tracer, x), slope))
-
-
-def hardtanh(tracer: Tracer, x: Value, min_val: Value = -1.0, max_val: Value = 1.0, inplace: bool = False) -> "Proxy":
-    low, high = _number(tracer, "hardtanh(min_val=...)", min_val), _number(tracer, "hardtanh(max_val=...)", max_val)
-    if low > high:
-        raise tracer.error(UnsupportedOperationError, f"hardtanh: min_val {low} is above max_val {high}")
-    return clamp(tracer, x, min=low, max=high)
-
-
 def shift(tracer: Tracer, op: str, x: Value, count: Value) -> "Proxy":
     """x << count / x >> count on integers, for a constant count (torch's results for any count)."""
     n = as_scalar(count)
@@ -660,15 +627,6 @@ FUNCTIONS: dict[str, Callable] = {
     "round": round_, "special_round": round_,
     "gelu": gelu, "silu": lambda t, x, inplace=False: Proxy(t, functional.silu(to_node(t, x))),
     "softplus": softplus,
-    # activations (torch.nn.functional), for score_mods such as attention-gym's log(f(score) + offset)
-    "elu": elu, "celu": celu, "leaky_relu": leaky_relu, "hardtanh": hardtanh,
-    "selu": lambda t, x, inplace=False: Proxy(t, functional.elu(to_node(t, x), _SELU_ALPHA, scale=_SELU_SCALE)),
-    "relu6": lambda t, x, inplace=False: hardtanh(t, x, 0.0, 6.0),
-    "hardsigmoid": lambda t, x, inplace=False: Proxy(t, functional.hardsigmoid(to_node(t, x))),
-    "hardswish": lambda t, x, inplace=False: Proxy(t, functional.hardswish(to_node(t, x))),
-    "mish": lambda t, x, inplace=False: Proxy(t, functional.mish(to_node(t, x))),
-    "log_sigmoid": lambda t, x: Proxy(t, functional.logsigmoid(to_node(t, x))),
-    "softsign": lambda t, x: binary(t, "div", x, binary(t, "add", unary(t, "abs", x), 1.0)),
     **{f"__{name}__": (lambda op: lambda t, a, b: shift(t, op, a, b))(name) for name in ("lshift", "rshift")},
     **{f"__r{name}__": (lambda op: lambda t, a, b: shift(t, op, b, a))(name) for name in ("lshift", "rshift")},
     "bitwise_left_shift": lambda t, a, b: shift(t, "lshift", a, b),
