@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 LAUNCHES = 4
+SEQLEN = 8192  # N of the cases, as in results.md's tables (--seqlen for others)
 KERNEL = {"fwd": "^flexgen_fwd$", "bwd": "^flexgen_bwd$"}
 CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) and 16k tokens per batch, bf16
     "fwd": [(128, "full"), (128, "causal"), (128, "sliding1024"), (128, "alibi-causal"), (128, "softcap30-causal"),
@@ -32,7 +33,7 @@ CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) a
 }
 
 
-def run_cases(kind: str, n: int = 8192, heads: int = 16, tokens: int = 16384, device: str = "cuda") -> None:
+def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = None, device: str = "cuda") -> None:
     """The launches ncu measures, in CASES order, each case announced by a `CASE <D> <variant>` line; the variants
     are bench_attention.py's, so a change is measured on the cases results.md reports."""
     import torch
@@ -40,15 +41,15 @@ def run_cases(kind: str, n: int = 8192, heads: int = 16, tokens: int = 16384, de
     import flexgen
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_attention import build_variant
+    from bench_attention import TOKENS, build_variant
 
-    batch = max(1, tokens // n)  # (as bench_attention.py: the same tokens per batch at every length)
+    batch = max(1, (tokens or TOKENS) // n)  # (as bench_attention.py: the same tokens per batch at every length)
     for d, name in CASES[kind]:
         variant = build_variant(name, n, heads, torch.device(device))
         q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=kind == "bwd")
                    for _ in range(3))
         bm = flexgen.create_block_mask(variant.mask, None, None, n, n, device=device) if variant.mask is not None else None
-        print(f"CASE {d} {name}" + ("" if n == 8192 else f" N={n}"), flush=True)
+        print(f"CASE {d} {name}" + ("" if n == SEQLEN else f" N={n}"), flush=True)
         if kind == "fwd":
             for _ in range(LAUNCHES):
                 flexgen.flex_attention(q, k, v, score_mod=variant.score, block_mask=bm)
@@ -62,7 +63,7 @@ def run_cases(kind: str, n: int = 8192, heads: int = 16, tokens: int = 16384, de
             torch.cuda.synchronize()
 
 
-def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float, n: int = 8192) -> None:
+def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float, n: int = SEQLEN) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "trees.txt").write_text(" ".join(label for label, _ in trees) + "\n")
     script = Path(__file__).resolve()
@@ -124,15 +125,15 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cases", help="run the launches (under ncu)")
     c.add_argument("--kind", choices=sorted(KERNEL), required=True)
-    c.add_argument("--seqlen", type=int, default=8192)
+    c.add_argument("--seqlen", type=int, default=SEQLEN)
     r = sub.add_parser("run", help="on the GPU machine: every tree under ncu, alternated")
     r.add_argument("--kind", choices=sorted(KERNEL), required=True)
     r.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR", help="first: the baseline")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
-    r.add_argument("--seqlen", type=int, default=8192, help="N of every case, with 16384 // N sequences per batch "
-                   "(short N: the fixed costs per work tile weigh more)")
+    r.add_argument("--seqlen", type=int, default=SEQLEN, help="N of every case, at bench_attention.py's tokens per "
+                   "batch (short N: the fixed costs per work tile weigh more)")
     s = sub.add_parser("report", help="the table from a run's CSVs")
     s.add_argument("folder", type=Path)
     args = p.parse_args(argv)

@@ -59,7 +59,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 blocks_follow_mask=blocks_follow_mask,
                 masked=mask_expr is not None,
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
-                score_folds=score_loads and _score_folds(kind, score_expr, extra),
+                score_folds=score_expr is not None and _score_folds(kind, score_expr, extra),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
                 max_scores=bool(dict(extra).get("max_scores", False)))
     chosen = choose(call, family)
