@@ -233,24 +233,25 @@ def test_return_aux_max_scores():
     out.sum().backward()
 
 
-def test_max_scores_is_an_sm80_forward_option(hopper):
+def test_max_scores_is_a_forward_option_of_both_families(hopper):
     q = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
     spec = make_spec("fwd", q, None, flexgen.variants.causal, None, max_scores=True)
-    assert spec.family == "sm80" and spec.option("max_scores") is True
+    assert spec.family == "sm90" and spec.option("max_scores") is True
     plain = make_spec("fwd", q, None, flexgen.variants.causal, None)
     assert plain.family == "sm90" and plain.option("max_scores") is None  # other kernels' specs stay as they were
     assert make_spec("bwd", q, None, None, None, max_scores=True).option("max_scores") is None
-    with pytest.raises(ValueError, match="does not write max_scores"):
-        make_spec("fwd", q, None, None, {"family": "sm90"}, max_scores=True)
+    sm80 = make_spec("fwd", q, None, None, {"family": "sm80"}, max_scores=True)
+    assert sm80.family == "sm80" and sm80.option("max_scores") is True
 
 
-def test_max_scores_kernel_source():
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_max_scores_kernel_source(family):
     """The row-max output is in the source only where asked for; the others render as before."""
     plain = flexgen.emit("fwd", score_mod=flexgen.variants.softcap(20.0), mask_mod=flexgen.variants.causal,
-                         head_dim=64, family="sm80")
+                         head_dim=64, family=family)
     with_max = flexgen.emit("fwd", score_mod=flexgen.variants.softcap(20.0), mask_mod=flexgen.variants.causal,
-                            head_dim=64, family="sm80", max_scores=True)
-    assert "max_scores" not in plain and "score_max" not in plain
+                            head_dim=64, family=family, max_scores=True)
+    assert "float* max_scores;" not in plain and "p.max_scores[" not in plain
     assert "float* max_scores;" in with_max and "p.max_scores[" in with_max
 
 

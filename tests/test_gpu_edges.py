@@ -260,9 +260,10 @@ def test_pytorch_only_kernel_options_run(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("with_score_mod", [False, True])
-def test_max_scores(D, with_score_mod):
+def test_max_scores(family, D, with_score_mod):
     """AuxRequest(max_scores=True): the row max of the modded, scaled scores, natural units; -inf on rows
     that see nothing; out and lse as without it."""
     seed = fresh_seed()
@@ -272,12 +273,13 @@ def test_max_scores(D, with_score_mod):
     mask = flexgen.mask_mod(lambda b, h, qi, ki: (qi % 7 != 0) & (ki <= qi))  # every 7th row sees nothing
     bm = flexgen.create_block_mask(mask, None, None, L, L, device=DEV)
     poison(q[..., 0].float(), q[..., 0].float())
-    out, aux = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm,
+    options = {"family": family}
+    out, aux = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, kernel_options=options,
                                       return_aux=flexgen.AuxRequest(lse=True, max_scores=True))
     torch.cuda.synchronize()
-    # max_scores runs the sm80 forward (sm90 refuses it): beside it, the same family without max_scores
+    # beside it, the same family without max_scores
     plain_out, plain_lse = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm, return_lse=True,
-                                                  kernel_options={"family": "sm80"})
+                                                  kernel_options=options)
     # the same operations; the compiler may contract them into FMAs differently around the extra max: one bf16 ulp
     torch.testing.assert_close(out, plain_out, rtol=2**-7, atol=1e-6)
     torch.testing.assert_close(aux.lse, plain_lse, rtol=1e-6, atol=1e-6)
@@ -285,7 +287,7 @@ def test_max_scores(D, with_score_mod):
     ref = masked_scores(q.double(), k.double(), v.double(), score, mask, scale)[0].amax(-1)
     base = masked_scores(q, k, v, score, mask, scale)[0].amax(-1).double()
     got = aux.max_scores
-    tag = f"D={D} score_mod={with_score_mod} (seed {seed})"
+    tag = f"{family} D={D} score_mod={with_score_mod} (seed {seed})"
     assert got.shape == (B, H, L) and got.dtype == torch.float32 and not torch.isnan(got).any(), tag
     dead = torch.isneginf(ref)
     assert dead.any() and torch.equal(torch.isneginf(got), dead), tag

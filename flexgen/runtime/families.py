@@ -229,8 +229,6 @@ class SM90(Family):
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
 
     def _refusal(self, call: Call) -> str | None:
-        if call.max_scores:
-            return "it does not write max_scores"
         if call.buffer_grads and call.deterministic:
             # (ptxas fails on them at D = 64, C7600, and a relative-bias table spills 340 B at D = 128)
             return "it computes buffer gradients only in non-deterministic mode"
