@@ -913,8 +913,13 @@ GPU_SCORE_MODS = {
     "rounding": lambda s, b, h, q, kv: torch.round(s * 4) / 4 + torch.sign(s) * 0.5 + torch.fmod(s, 1.5),
     "precision_casts": lambda s, b, h, q, kv: (s * 3.3).half().float() - s.bfloat16(),
     "row_reduction": lambda s, b, h, q, kv: s + (GPU_ROWS_CUDA[h] * GPU_WEIGHTS_CUDA).sum(-1) * 0.3,
+    # activations whose derivative is continuous (elu with alpha 1 and celu are C1 at 0), and those with kinks
+    "smooth_activations": lambda s, b, h, q, kv: F.elu(s * 2) + F.mish(s) + F.logsigmoid(s * 3) - F.softsign(s * 4)
+    + F.celu(s, 0.5),
+    "piecewise_activations": lambda s, b, h, q, kv: F.hardswish(s * 3) * 0.5 + F.leaky_relu(s, 0.1)
+    + F.hardtanh(s * 2, -1.5, 2.0) + F.selu(s) + F.relu6(s * 4) * 0.25 + F.hardsigmoid(s * 3),
 }
-GPU_BACKWARD = ("gelu_tanh", "softplus_silu", "precision_casts", "row_reduction")
+GPU_BACKWARD = ("gelu_tanh", "softplus_silu", "precision_casts", "row_reduction", "smooth_activations")
 GPU_ROWS_CUDA = GPU_WEIGHTS_CUDA = None
 
 

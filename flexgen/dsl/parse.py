@@ -116,7 +116,10 @@ def text_functions(tracer: Tracer) -> dict[str, TextFunction]:
 
 
 _SHAPE_QUERIES = ("shape", "size", "dim", "ndim", "numel")  # of a bound tensor: constants
-_NN_FUNCTIONAL = ("gelu", "silu", "softplus", "relu", "sigmoid", "tanh")  # F.<name> in the text form
+_NN_FUNCTIONAL = (  # F.<name> in the text form
+    "gelu", "silu", "softplus", "relu", "sigmoid", "tanh", "elu", "celu", "selu", "leaky_relu", "hardtanh", "relu6",
+    "hardsigmoid", "hardswish", "mish", "logsigmoid", "softsign",
+)
 _CONSTANTS = {"True": True, "False": False, "true": True, "false": False, "inf": math.inf, "nan": math.nan, "pi": math.pi}
 _MATH = {"pi": math.pi, "e": math.e, "tau": math.tau, "inf": math.inf, "nan": math.nan}
 

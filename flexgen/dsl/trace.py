@@ -431,6 +431,71 @@ def softplus(tracer: Tracer, x: Value, beta: Value = 1.0, threshold: Value = 20.
     return Proxy(tracer, functional.softplus(to_node(tracer, x), beta_node, threshold_node))
 
 
+def _given(value: Any) -> str:
+    return "a traced value" if isinstance(value, (Proxy, ArrayValue, torch.Tensor)) else repr(value)
+
+
+def _constant_arg(tracer: Tracer, fn: str, name: str, value: Any) -> float:
+    """An activation's argument that must be known when tracing (hardtanh's bounds are compared then)."""
+    scalar = as_scalar(value)
+    if scalar is None:
+        raise tracer.error(
+            UnsupportedOperationError,
+            f"{fn}({name}=...) needs a constant Python number (the bounds are checked when tracing), got "
+            f"{_given(value)}; a bound parameter is baked in as a constant with specialize=True",
+        )
+    return float(scalar)
+
+
+def _coefficient_arg(tracer: Tracer, fn: str, name: str, value: Any) -> float | Node:
+    """alpha / negative_slope: a Python number, or a traced scalar (a bound parameter, a captured 0-d tensor)."""
+    scalar = as_scalar(value)
+    if scalar is not None:
+        return float(scalar)
+    if isinstance(value, (Proxy, torch.Tensor)):
+        node = to_node(tracer, value)
+        if node.dtype is DType.BOOL:
+            raise tracer.error(UnsupportedOperationError, f"{fn}({name}=...) needs a number, got a bool value")
+        return node
+    raise tracer.error(UnsupportedOperationError, f"{fn}({name}=...) needs a number, got {_given(value)}")
+
+
+# The activations' `inplace` is accepted and ignored: a traced value is never modified in place.
+
+
+def elu(tracer: Tracer, x: Value, alpha: Value = 1.0, inplace: bool = False) -> "Proxy":
+    return Proxy(tracer, functional.elu(to_node(tracer, x), _coefficient_arg(tracer, "elu", "alpha", alpha)))
+
+
+def celu(tracer: Tracer, x: Value, alpha: Value = 1.0, inplace: bool = False) -> "Proxy":
+    a = _coefficient_arg(tracer, "celu", "alpha", alpha)
+    if isinstance(a, float) and a == 0.0:
+        raise tracer.error(UnsupportedOperationError, "celu(alpha=0): alpha cannot be 0 (celu divides by it)")
+    return Proxy(tracer, functional.celu(to_node(tracer, x), a))
+
+
+def leaky_relu(tracer: Tracer, x: Value, negative_slope: Value = 0.01, inplace: bool = False) -> "Proxy":
+    slope = _coefficient_arg(tracer, "leaky_relu", "negative_slope", negative_slope)
+    return Proxy(tracer, functional.leaky_relu(to_node(tracer, x), slope))
+
+
+def hardtanh(tracer: Tracer, x: Value, min_val: Value = -1.0, max_val: Value = 1.0, inplace: bool = False) -> "Proxy":
+    lo = _constant_arg(tracer, "hardtanh", "min_val", min_val)
+    hi = _constant_arg(tracer, "hardtanh", "max_val", max_val)
+    if lo != lo or hi != hi:
+        raise tracer.error(UnsupportedOperationError, f"hardtanh(min_val={lo}, max_val={hi}): a bound is NaN")
+    if lo > hi:
+        raise tracer.error(
+            UnsupportedOperationError, f"hardtanh(min_val={lo}, max_val={hi}): min_val cannot be greater than max_val"
+        )
+    return Proxy(tracer, functional.hardtanh(to_node(tracer, x), lo, hi))
+
+
+def _activation(fn: Callable[[Node], Node]) -> Callable:
+    """A handler for an activation without parameters; `inplace` is ignored."""
+    return lambda t, x, inplace=False: Proxy(t, fn(to_node(t, x)))
+
+
 def shift(tracer: Tracer, op: str, x: Value, count: Value) -> "Proxy":
     """x << count / x >> count on integers, for a constant count (torch's results for any count)."""
     n = as_scalar(count)
@@ -627,6 +692,13 @@ FUNCTIONS: dict[str, Callable] = {
     "round": round_, "special_round": round_,
     "gelu": gelu, "silu": lambda t, x, inplace=False: Proxy(t, functional.silu(to_node(t, x))),
     "softplus": softplus,
+    "elu": elu, "celu": celu, "selu": _activation(functional.selu), "leaky_relu": leaky_relu,
+    "hardtanh": hardtanh, "relu6": _activation(functional.relu6), "hardsigmoid": _activation(functional.hardsigmoid),
+    "hardswish": _activation(functional.hardswish), "mish": _activation(functional.mish),
+    # F.logsigmoid is torch._C._nn.log_sigmoid, which reaches __torch_function__ by that name
+    "logsigmoid": lambda t, x: Proxy(t, functional.logsigmoid(to_node(t, x))),
+    "log_sigmoid": lambda t, x: Proxy(t, functional.logsigmoid(to_node(t, x))),
+    "softsign": lambda t, x: Proxy(t, functional.softsign(to_node(t, x))),
     **{f"__{name}__": (lambda op: lambda t, a, b: shift(t, op, a, b))(name) for name in ("lshift", "rshift")},
     **{f"__r{name}__": (lambda op: lambda t, a, b: shift(t, op, b, a))(name) for name in ("lshift", "rshift")},
     "bitwise_left_shift": lambda t, a, b: shift(t, "lshift", a, b),
