@@ -9,9 +9,12 @@ learnable buffer. So:
 - a function is traced by `_function_token` / `_buffer_paths`, marked assume_constant_result:
   dynamo calls them once, at trace time, on the real function, and the buffers are fetched
   again in traced code along the recorded paths (closure cell, module global, attribute);
-- a function made inside the compiled region whose closure holds tensors or modules has no
-  Python value dynamo can hand over: `_check_rebuildable` (a comptime hook) says so and
-  flex_attention graph-breaks into eager (an error under fullgraph=True, with the reason).
+- a comptime hook (`_classify`) tells the traced code how dynamo holds the function before it
+  touches it: a function made inside the compiled region whose closure holds values of the
+  trace (tensors made there, traced sizes) has no Python value dynamo can hand over, and
+  flex_attention graph-breaks into eager (an error under fullgraph=True, with the reason);
+- a number in a closure that dynamo made symbolic (dynamic=True) is specialised by another
+  hook (`_specialise_numbers`): it is part of the kernel, so dynamo guards on its value.
 """
 from __future__ import annotations
 
@@ -314,19 +317,44 @@ def mod_parts(fn, kind: str) -> tuple[str, tuple] | None:
     return ("", ()) if mod is None else (mod.token, mod.buffer_tensors)
 
 
-# Function code site -> whether dynamo could rebuild a function made inside the compiled region
-# (written at trace time by _check_rebuildable, read by the traced code right after).
-_REBUILDABLE: dict[str, bool] = {}
+# Function code site -> how dynamo holds the function (written at trace time by _classify, read by the traced code
+# right after): "outside" (a Python function made outside the compiled region: traced code reads its closure),
+# "rebuilt" (made inside, over constants only: dynamo rebuilds it as a Python function) or "opaque" (made inside
+# over values that exist only in the trace: tensors made there, sizes of traced tensors). Decided before traced code
+# touches the function: reading __closure__ of a function made inside breaks the trace on some torch versions.
+_HELD: dict[str, str] = {}
+# Function code site -> the plain value of each closure cell that dynamo made a symbolic number (None for the
+# others), written by _specialise_numbers.
+_SPECIALISED: dict[str, tuple] = {}
 
 
-def _check_rebuildable(ctx) -> None:
-    fn = ctx.get_local("func")
+def _traced_variable(ctx, name: str):
+    return ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+
+
+def _classify(ctx) -> None:
+    site = ctx.get_local("site").as_python_constant()
+    if getattr(_traced_variable(ctx, "func"), "source", None) is not None:  # (read from outside the trace)
+        _HELD[site] = "outside"
+        return
     try:
-        fn.as_python_constant()
-        ok = True
-    except Exception:  # a closure over tensors or modules: dynamo holds no Python value for it
-        ok = False
-    _REBUILDABLE[ctx.get_local("site").as_python_constant()] = ok
+        ctx.get_local("func").as_python_constant()
+        _HELD[site] = "rebuilt"
+    except Exception:  # a closure over tensors or numbers of the trace: dynamo holds no Python value for it
+        _HELD[site] = "opaque"
+
+
+def _specialise_numbers(ctx) -> None:
+    """A number the function captured, which dynamo made symbolic (compiled with dynamic=True), is part of the
+    kernel's code, as PyTorch's FlexAttention bakes it into its own: take its value and make dynamo guard on it
+    (guard_scalar), so that another value recompiles instead of running a kernel built for this one."""
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    values = []
+    for cell in _traced_variable(ctx, "cells").items:
+        sym = getattr(cell, "sym_num", None)
+        values.append(None if sym is None else guard_scalar(sym))
+    _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
 
 
 def _guard_ident(x) -> tuple:
@@ -338,25 +366,22 @@ def _guard_ident(x) -> tuple:
 
 def _compiled_parts(fn, kind: str):
     """Traced by dynamo."""
-    func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
-    try:
-        # Readable only for functions made outside the compiled region. id() makes dynamo guard on
-        # each captured object, which is what the trace depends on (not on the function object); a captured
-        # number or string is guarded on by value (dynamo takes no id() of a constant).
-        cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
-        if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) for x in cells):
-            # (a number dynamo made symbolic, compiled with dynamic=True: the function is no constant that
-            # _function_token could take; flex_attention runs it through the eager fallback)
-            return None
-        ident = tuple(_guard_ident(x) for x in cells)
-    except AttributeError:
-        ident = ()
-        site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"
-        from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
+    from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
 
-        comptime(_check_rebuildable)
-        if not _REBUILDABLE[site]:
-            return None
+    func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
+    site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"
+    comptime(_classify)
+    held = _HELD[site]
+    if held == "opaque":
+        return None  # (flex_attention runs it through the eager fallback)
+    ident = ()
+    if held == "outside":
+        # id() makes dynamo guard on each captured object, which is what the trace depends on (not on the function
+        # object); a captured number or string is guarded on by value (dynamo takes no id() of a constant).
+        cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
+        comptime(_specialise_numbers)
+        plain = _SPECIALISED[site]
+        ident = tuple(_guard_ident(x if value is None else value) for x, value in zip(cells, plain))
     token = _function_token(kind, func, owner, ident)
     return token, tuple(_follow(fn, p) for p in _buffer_paths(kind, func, owner, ident))
 

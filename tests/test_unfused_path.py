@@ -305,6 +305,59 @@ def test_a_captured_mask_under_dynamic_shapes_keeps_one_graph():
         assert backend.frame_count == 1
 
 
+def _alibi_over(num_heads):
+    def alibi(score, b, h, q, kv):
+        return score + (kv - q) * torch.exp2(-((h + 1) * 8.0 / num_heads))
+    return alibi
+
+
+def _alibi_reference(q, k, v, num_heads):
+    q, k, v = (t.double() for t in (q, k, v))
+    h = torch.arange(q.shape[1], dtype=torch.float64).view(-1, 1, 1)
+    rel = (torch.arange(k.shape[2]).view(1, -1) - torch.arange(q.shape[2]).view(-1, 1)).double()
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + rel * torch.exp2(-((h + 1) * 8.0 / num_heads))
+    return torch.softmax(s, -1) @ v
+
+
+def test_a_captured_number_under_dynamic_shapes_keeps_one_graph():
+    """PyTorch's dynamic-shape test of its ALiBi score_mod: a number in the function's closure, which dynamo makes
+    symbolic under dynamic=True, is specialised (guarded on), so three shapes run one graph; another number
+    recompiles and gives its own attention."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    # (sizes chosen so that no two of batch, heads and block counts are equal: duck sizing would tie them)
+    for num_heads, b, length, frames in ((8, 3, 1024, 1), (8, 6, 512, 1), (8, 6, 256, 1), (4, 6, 256, 2)):
+        q, k, v = (t.requires_grad_() for t in _inputs(torch.float32, b=b, h=5, lq=length, lkv=length, d=16))
+        mask = flexgen.create_block_mask(flexgen.noop_mask, 1, 1, length, length, device="cpu")
+        call = functools.partial(flexgen.flex_attention, score_mod=_alibi_over(num_heads), block_mask=mask)
+        out = _quiet(torch.compile(call, backend=backend, dynamic=True), q, k, v)
+        want = _alibi_reference(q, k, v, num_heads)
+        assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5, (num_heads, length)
+        assert backend.frame_count == frames, (num_heads, length)
+
+
+def test_a_function_made_in_the_compiled_region_over_its_values_runs_eagerly():
+    """A score_mod made inside the compiled function over a value of the trace (a size there) has no Python
+    value flexgen could trace: that call runs through the eager fallback, and gives the right attention."""
+    def attend(x, q, k, v):
+        bias = x.size(0)
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias * (qi - ki) / 64)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=True)
+    for n in (2, 3):
+        q, k, v = _inputs(torch.float32, b=n, h=2, lq=64, lkv=64, d=16)
+        out = _quiet(compiled, torch.empty(n, 1), q, k, v)
+        rel = (torch.arange(64).view(-1, 1) - torch.arange(64).view(1, -1)).double() * n / 64
+        s = q.double() @ k.double().transpose(-1, -2) / 4 + rel
+        want = torch.softmax(s, -1) @ v.double()
+        assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5
+
+
 def test_a_mask_for_other_lengths_is_refused_under_compile():
     q, k, v = _inputs(torch.float32, lq=128, lkv=128)
     mask = flexgen.create_block_mask(CAUSAL, 1, 1, 256, 256, device="cpu")
