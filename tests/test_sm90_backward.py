@@ -21,6 +21,7 @@ from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
 from flexgen.codegen.params import BWD_PARAMS
+from flexgen.codegen.render import render
 from flexgen.runtime import families
 from flexgen.runtime.families import Call, choose
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
@@ -141,6 +142,44 @@ def test_sm90_backward_variants(name, D):
     from test_gpu_backward import Shape, check_variant
 
     check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+def test_alibi_backward_folds_into_row_and_column_terms():
+    """An ALiBi-like score_mod (dsl/affine.py) folds into the backward's exponent (a term per key row and one per
+    query column); not with its buffers learnable (score_mod_bwd sums their gradients), with dropout, or with
+    kernel_options fold_score=False. Spill-free and unserialised where it folds."""
+    slopes = V.alibi_slopes(4)
+
+    def spec_of(score, **kw):
+        return make_spec("bwd", score, V.causal, head_dim=128, dtype="bf16", arch="sm_90a", **SM90, **kw)
+
+    for D in (64, 128):
+        kernel = jit.get_kernel(make_spec("bwd", V.alibi(slopes), V.causal, head_dim=D, dtype="bf16", arch="sm_90a",
+                                          **SM90))
+        assert "score_mod_affine(b, h, p.mod" in kernel.source and "row_term[c >> 1] + col_term[c & 1]" in kernel.source
+        assert_tma_fed_and_unserialised(kernel)
+        assert kernel.resources.get("spill_stores_bytes", 0) == 0, kernel.resources
+    learnable = V.alibi(slopes.clone().requires_grad_())
+    unfolded = [spec_of(learnable, grad_buffers=tuple(learnable.buffer_names)), spec_of(V.alibi(slopes), dropout=True),
+                spec_of(V.alibi(slopes), fold_score=False)]
+    for spec in unfolded:
+        assert "row_term" not in render(spec)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+def test_folded_alibi_backward_with_gqa_and_odd_lengths(D, fold):
+    """The folded ALiBi backward (per-row and per-column terms) and the unfolded one, under GQA and with query and
+    key lengths that differ and end mid-tile, against float64 autograd."""
+    from test_gpu_backward import Shape, check_variant
+
+    options = {**SM90, "fold_score": fold}
+    check_variant("alibi_causal", Shape(2, 4, 777, 1001), D, torch.bfloat16, gqa_kv_heads=2, kernel_options=options)
+    check_variant("alibi_causal", Shape(1, 3, 300, 300), D, torch.float16, kernel_options=options)
 
 
 @gpu
