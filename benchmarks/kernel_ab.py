@@ -4,6 +4,7 @@ H200 moves the same kernel by up to 10% between rounds (benchmarks/ab_bench.sh, 
 
     python3 benchmarks/kernel_ab.py run --kind bwd --tree base=.gpu/ab_base --tree this=. --rounds 3 --out $OUT
     python3 benchmarks/kernel_ab.py report $OUT            (anywhere: medians per case, and each tree against the first)
+    ... run --kind fwd --only 64:document-causal,64:causal ...  (some cases only: HEAD_DIM:VARIANT, comma-separated)
 
 `run` (on the GPU machine) starts, per round and tree, one process under `ncu --clock-control base` that runs every
 case (`cases`, below) with that tree's flexgen on PYTHONPATH and its own kernel cache, and keeps ncu's CSV as
@@ -29,11 +30,23 @@ CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) a
             (128, "document-causal"), (64, "full"), (64, "causal"), (64, "sliding1024"), (64, "alibi-causal"),
             (64, "softcap30-causal"), (64, "alibi-slopes-causal"), (64, "document-causal")],
     "bwd": [(128, "full"), (128, "causal"), (128, "alibi-causal"), (128, "softcap30-causal"), (128, "document-causal"),
-            (128, "sliding1024"), (64, "full"), (64, "causal")],
+            (128, "sliding1024"), (64, "full"), (64, "causal"), (64, "alibi-causal")],
 }
 
 
-def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = None, device: str = "cuda") -> None:
+def selected(kind: str, only: str | None) -> list[tuple[int, str]]:
+    """CASES[kind], or those named in `only` ("D:variant,..."), in CASES order."""
+    if not only:
+        return CASES[kind]
+    wanted = {item.strip() for item in only.split(",") if item.strip()}
+    known = {f"{d}:{name}" for d, name in CASES[kind]}
+    if wanted - known:
+        raise SystemExit(f"kernel_ab: --only {sorted(wanted - known)} not among the {kind} cases {sorted(known)}")
+    return [(d, name) for d, name in CASES[kind] if f"{d}:{name}" in wanted]
+
+
+def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = None, device: str = "cuda",
+              only: str | None = None) -> None:
     """The launches ncu measures, in CASES order, each case announced by a `CASE <D> <variant>` line; the variants
     are bench_attention.py's, so a change is measured on the cases results.md reports."""
     import torch
@@ -44,7 +57,7 @@ def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = 
     from bench_attention import TOKENS, build_variant
 
     batch = max(1, (tokens or TOKENS) // n)  # (as bench_attention.py: the same tokens per batch at every length)
-    for d, name in CASES[kind]:
+    for d, name in selected(kind, only):
         variant = build_variant(name, n, heads, torch.device(device))
         q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=kind == "bwd")
                    for _ in range(3))
@@ -63,7 +76,9 @@ def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = 
             torch.cuda.synchronize()
 
 
-def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float, n: int = SEQLEN) -> None:
+def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float, n: int = SEQLEN,
+        only: str | None = None) -> None:
+    selected(kind, only)  # (a bad --only stops here, before any process starts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trees.txt").write_text(" ".join(label for label, _ in trees) + "\n")
     script = Path(__file__).resolve()
@@ -73,7 +88,7 @@ def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeou
                        PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
             cmd = ["ncu", "--clock-control", "base", "--kernel-name", f"regex:{KERNEL[kind]}",
                    "--metrics", "gpu__time_duration.sum", "--csv", sys.executable, str(script), "cases", "--kind", kind,
-                   "--seqlen", str(n)]
+                   "--seqlen", str(n)] + (["--only", only] if only else [])
             path = out / f"ncu_{label}_r{r}.csv"
             with open(path, "w") as f:
                 rc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
@@ -126,6 +141,7 @@ def main(argv=None) -> None:
     c = sub.add_parser("cases", help="run the launches (under ncu)")
     c.add_argument("--kind", choices=sorted(KERNEL), required=True)
     c.add_argument("--seqlen", type=int, default=SEQLEN)
+    c.add_argument("--only", default=None, help="HEAD_DIM:VARIANT,... (default: every case of the kind)")
     r = sub.add_parser("run", help="on the GPU machine: every tree under ncu, alternated")
     r.add_argument("--kind", choices=sorted(KERNEL), required=True)
     r.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR", help="first: the baseline")
@@ -134,11 +150,12 @@ def main(argv=None) -> None:
     r.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
     r.add_argument("--seqlen", type=int, default=SEQLEN, help="N of every case, at bench_attention.py's tokens per "
                    "batch (short N: the fixed costs per work tile weigh more)")
+    r.add_argument("--only", default=None, help="HEAD_DIM:VARIANT,... (default: every case of the kind)")
     s = sub.add_parser("report", help="the table from a run's CSVs")
     s.add_argument("folder", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "cases":
-        run_cases(args.kind, n=args.seqlen)
+        run_cases(args.kind, n=args.seqlen, only=args.only)
     elif args.cmd == "run":
         trees = []
         for item in args.tree:
@@ -146,7 +163,7 @@ def main(argv=None) -> None:
             if not sep or not re.fullmatch(r"[A-Za-z0-9-]+", label) or not (Path(folder) / "flexgen").is_dir():
                 p.error(f"--tree {item!r}: expected LABEL=DIR (LABEL letters, digits, '-'), DIR holding a flexgen tree")
             trees.append((label, Path(folder).resolve()))
-        run(args.kind, trees, args.rounds, args.out, args.timeout, n=args.seqlen)
+        run(args.kind, trees, args.rounds, args.out, args.timeout, n=args.seqlen, only=args.only)
         print(report(args.out))
     else:
         print(report(args.folder))

@@ -12,7 +12,10 @@ shift 2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # (pytest runs from inside it)
+# Files from before PyTorch 2.11 hand PagedAttention.assign 1-D positions, which the installed torch's takes as
+# (B, S): those are broadcast over the batch (what the older assign did), so that the paged tests reach flexgen.
 sed -e 's/^from torch\.nn\.attention\.flex_attention import /from flexgen import /' \
+    -e 's/\.assign(batch_idx, input_pos, /.assign(batch_idx, input_pos if input_pos.dim() == 2 else input_pos.expand(batch_idx.shape[0], -1), /' \
     "$src" > "$out/test_flex_attention_flexgen.py"
 grep -q '^from flexgen import' "$out/test_flex_attention_flexgen.py" || { echo "pytorch_tests: no flex_attention import to redirect in $src" >&2; exit 2; }
 cd "$out" && PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -p no:cacheprovider \

@@ -76,3 +76,14 @@ def test_cases_run_the_harness_variants_in_order(capsys):
         announced = [line[len("CASE "):] for line in capsys.readouterr().out.splitlines() if line.startswith("CASE ")]
         # (a length other than the default 8k is part of each case's name, so that runs at two lengths never mix)
         assert announced == [f"{d} {name} N=128" for d, name in kernel_ab.CASES[kind]]
+
+
+def test_only_runs_the_named_cases_in_cases_order(capsys):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import kernel_ab
+
+    kernel_ab.run_cases("fwd", n=128, heads=2, tokens=128, device="cpu", only="64:causal, 128:full")
+    announced = [line[len("CASE "):] for line in capsys.readouterr().out.splitlines() if line.startswith("CASE ")]
+    assert announced == ["128 full N=128", "64 causal N=128"]
+    with pytest.raises(SystemExit, match="not among the fwd cases"):
+        kernel_ab.selected("fwd", "64:nonesuch")
