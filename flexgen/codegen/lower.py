@@ -695,7 +695,7 @@ def lower_mods(spec) -> LoweredMods:
     else:
         bwd_fn, grad_sites = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}", 0
     affine_fn = _score_affine_fn(spec.score_expr, names, helpers) if spec.kind in ("fwd", "bwd") else ""
-    softcap_fn = _score_softcap_fn(spec.score_expr, names, helpers) if spec.kind == "fwd" else ""
+    softcap_fn = _score_softcap_fn(spec.score_expr, names, helpers) if spec.kind in ("fwd", "bwd") else ""
     precise = "#define FLEXGEN_PRECISE_MATH 1" if spec.option("precise_math") else ""
     decl = "\n\n".join(filter(None, [precise, _helper_text(helpers), _struct(fields)]))
     return LoweredMods(
