@@ -81,7 +81,7 @@ def test_the_coefficients_are_lowered_once_per_head():
     assert body.count("args.alibi_slopes[") == 1  # one read per (b, h), shared by both coefficients
     assert "kv_idx" not in body and "q_idx" not in body and "score" not in body
     bwd = make_spec("bwd", V.alibi(4), V.causal, head_dim=128, dtype="bf16", arch="sm_90a", mask_block=(128, 128), **SM90)
-    assert lower_mods(bwd).score_affine_fn == ""  # the backward calls score_mod per score
+    assert lower_mods(bwd).score_affine_fn == fn  # the backward's terms come from the same coefficients
 
 
 def test_the_soft_cap_factors_are_lowered_once_per_head():
