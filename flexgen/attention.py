@@ -386,7 +386,8 @@ def _make_eager_fallback() -> None:
 
 
 _EAGER_REASON = (
-    "flexgen.flex_attention: a score_mod/mask_mod defined inside the compiled function captures tensors or "
-    "modules, which dynamo cannot hand to flexgen's tracer; define it outside (in __init__ or at module level) or "
+    "flexgen.flex_attention: a score_mod/mask_mod defined inside the compiled function captures values made there "
+    "(tensors, modules, sizes of traced tensors), which dynamo cannot hand to flexgen's tracer; define it outside "
+    "(in __init__ or at module level, capturing numbers as plain Python values) or "
     "pass a flexgen Mod (flexgen.score_mod(fn) built outside) to trace it with fullgraph=True"
 )
