@@ -323,8 +323,8 @@ def mod_parts(fn, kind: str) -> tuple[str, tuple] | None:
 # over values that exist only in the trace: tensors made there, sizes of traced tensors). Decided before traced code
 # touches the function: reading __closure__ of a function made inside breaks the trace on some torch versions.
 _HELD: dict[str, str] = {}
-# Function code site -> the plain value of each closure cell that dynamo made a symbolic number (None for the
-# others), written by _specialise_numbers.
+# Function code site -> the value of each closure cell that dynamo made a symbolic number, as its repr (None for the
+# others), written by _specialise_numbers. (A string: a float read back from here would be made symbolic again.)
 _SPECIALISED: dict[str, tuple] = {}
 
 
@@ -353,7 +353,7 @@ def _specialise_numbers(ctx) -> None:
     values = []
     for cell in _traced_variable(ctx, "cells").items:
         sym = getattr(cell, "sym_num", None)
-        values.append(None if sym is None else guard_scalar(sym))
+        values.append(None if sym is None else repr(guard_scalar(sym)))
     _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
 
 
@@ -381,7 +381,7 @@ def _compiled_parts(fn, kind: str):
         cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
         comptime(_specialise_numbers)
         plain = _SPECIALISED[site]
-        ident = tuple(_guard_ident(x if value is None else value) for x, value in zip(cells, plain))
+        ident = tuple(_guard_ident(x) if value is None else ("value", value) for x, value in zip(cells, plain))
     token = _function_token(kind, func, owner, ident)
     return token, tuple(_follow(fn, p) for p in _buffer_paths(kind, func, owner, ident))
 

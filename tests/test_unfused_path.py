@@ -340,6 +340,36 @@ def test_a_captured_number_under_dynamic_shapes_keeps_one_graph():
         assert backend.frame_count == frames, (num_heads, length)
 
 
+def _softcap_over(cap):
+    def softcap(score, b, h, q, kv):
+        return cap * torch.tanh(score / cap)
+    return softcap
+
+
+def test_a_captured_float_under_dynamic_shapes_is_traced_without_a_graph_break():
+    """A float in the closure (a soft cap), which dynamo makes a symbolic graph input under dynamic=True: specialised
+    too, so the call traces without a graph break into eager, and a second shape reuses the graph."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    frames = []
+    for b, length in ((3, 1024), (6, 512)):
+        q, k, v = _inputs(torch.float32, b=b, h=5, lq=length, lkv=length, d=16)
+        mask = flexgen.create_block_mask(flexgen.noop_mask, 1, 1, length, length, device="cpu")
+        call = functools.partial(flexgen.flex_attention, score_mod=_softcap_over(20.0), block_mask=mask)
+        out = _quiet(torch.compile(call, backend=backend, dynamic=True), q, k, v)
+        want, _ = _dense(q, k, v, softcap=20.0)
+        assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5
+        frames.append(backend.frame_count)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert frames[0] == frames[1]  # (the first trace may restart once to specialise the float)
+
+
 def test_a_function_made_in_the_compiled_region_over_its_values_runs_eagerly():
     """A score_mod made inside the compiled function over a value of the trace (a size there) has no Python
     value flexgen could trace: that call runs through the eager fallback, and gives the right attention."""
