@@ -29,10 +29,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..dsl.affine import AffineScore
+from ..dsl.folds import score_fold
 from ..dsl.graph import postorder
 from ..dsl.ir import INT_RANGE, BufferSpec, DType, IRTypeError, Node, buffers_of, inputs_of, params_of
 from ..dsl.ir import check_size as ir_check_size
 from ..dsl.printer import format_node, pretty, pretty_lines
+from ..dsl.softcap import SoftcapScore
 
 CTYPE = {DType.BOOL: "bool", DType.INT32: "int", DType.INT64: "long long", DType.FLOAT32: "float"}
 
@@ -536,15 +539,10 @@ def _per_head_fn(name: str, comment: list[str], outputs: dict[str, Node], names,
     return "\n".join(lines)
 
 
-def _score_affine_fn(expr: Node | None, names, helpers) -> str:
+def _score_affine_fn(expr: Node, terms, names, helpers) -> str:
     """score_mod_affine(b, h, args, kv_coef, q_coef, bias) where score_mod is score + kv_coef * kv_idx +
-    q_coef * q_idx + bias for fixed b and h (ALiBi); "" for any other score_mod. A forward can then add the
-    index terms per row and per column instead of evaluating score_mod at every score."""
-    from ..dsl.affine import affine_score
-
-    terms = affine_score(expr) if expr is not None else None
-    if terms is None:
-        return ""
+    q_coef * q_idx + bias for fixed b and h (ALiBi; `terms`, dsl/affine.py). A kernel can then add the index terms
+    per row and per column instead of evaluating score_mod at every score."""
     comment = _expr_comment("score_mod, affine in the indices: ", expr) + [
         f"  = score + kv_idx * {pretty(terms.kv_coef, 200)} + q_idx * {pretty(terms.q_coef, 200)} + "
         f"{pretty(terms.bias, 200)}"]
@@ -552,14 +550,9 @@ def _score_affine_fn(expr: Node | None, names, helpers) -> str:
                         {"kv_coef": terms.kv_coef, "q_coef": terms.q_coef, "bias": terms.bias}, names, helpers)
 
 
-def _score_softcap_fn(expr: Node | None, names, helpers) -> str:
+def _score_softcap_fn(expr: Node, terms, names, helpers) -> str:
     """score_mod_softcap(b, h, args, outer, inner) where score_mod is outer * tanh(inner * score) for fixed b and h
-    (logit soft-capping); "" for any other score_mod."""
-    from ..dsl.softcap import softcap_score
-
-    terms = softcap_score(expr) if expr is not None else None
-    if terms is None:
-        return ""
+    (logit soft-capping; `terms`, dsl/softcap.py)."""
     comment = _expr_comment("score_mod, a soft cap: ", expr) + [
         f"  = {pretty(terms.outer, 200)} * tanh({pretty(terms.inner, 200)} * score)"]
     return _per_head_fn("score_mod_softcap", comment, {"outer": terms.outer, "inner": terms.inner}, names, helpers)
@@ -694,8 +687,9 @@ def lower_mods(spec) -> LoweredMods:
                                            spec.deterministic)
     else:
         bwd_fn, grad_sites = f"// score_mod_bwd: not generated for kernel kind {spec.kind!r}", 0
-    affine_fn = _score_affine_fn(spec.score_expr, names, helpers) if spec.kind in ("fwd", "bwd") else ""
-    softcap_fn = _score_softcap_fn(spec.score_expr, names, helpers) if spec.kind in ("fwd", "bwd") else ""
+    fold = score_fold(spec.score_expr) if spec.kind in ("fwd", "bwd") else None
+    affine_fn = _score_affine_fn(spec.score_expr, fold, names, helpers) if isinstance(fold, AffineScore) else ""
+    softcap_fn = _score_softcap_fn(spec.score_expr, fold, names, helpers) if isinstance(fold, SoftcapScore) else ""
     precise = "#define FLEXGEN_PRECISE_MATH 1" if spec.option("precise_math") else ""
     decl = "\n\n".join(filter(None, [precise, _helper_text(helpers), _struct(fields)]))
     return LoweredMods(

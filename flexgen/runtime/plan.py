@@ -76,10 +76,9 @@ def _score_folds(kind: str, score_expr: Node, extra) -> bool:
     (ALiBi-like or a soft cap; the `fold_score` option, on by default)."""
     if kind != "fwd" or not dict(extra).get("fold_score", True):
         return False
-    from ..dsl.affine import affine_score
-    from ..dsl.softcap import softcap_score
+    from ..dsl.folds import score_fold
 
-    return affine_score(score_expr) is not None or softcap_score(score_expr) is not None
+    return score_fold(score_expr) is not None
 
 
 def _operations(expr: Node) -> int:
