@@ -696,8 +696,7 @@ FUNCTIONS: dict[str, Callable] = {
     "hardtanh": hardtanh, "relu6": _activation(functional.relu6), "hardsigmoid": _activation(functional.hardsigmoid),
     "hardswish": _activation(functional.hardswish), "mish": _activation(functional.mish),
     # F.logsigmoid is torch._C._nn.log_sigmoid, which reaches __torch_function__ by that name
-    "logsigmoid": lambda t, x: Proxy(t, functional.logsigmoid(to_node(t, x))),
-    "log_sigmoid": lambda t, x: Proxy(t, functional.logsigmoid(to_node(t, x))),
+    **dict.fromkeys(("logsigmoid", "log_sigmoid"), lambda t, x: Proxy(t, functional.logsigmoid(to_node(t, x)))),
     "softsign": lambda t, x: Proxy(t, functional.softsign(to_node(t, x))),
     **{f"__{name}__": (lambda op: lambda t, a, b: shift(t, op, a, b))(name) for name in ("lshift", "rshift")},
     **{f"__r{name}__": (lambda op: lambda t, a, b: shift(t, op, b, a))(name) for name in ("lshift", "rshift")},
