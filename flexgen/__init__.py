@@ -43,13 +43,21 @@ _PRIVATE_EXPORTS = dict.fromkeys(
      "flex_attention_hop"), ".torch_names")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+_MISSING = object()
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS and name not in _PRIVATE_EXPORTS:
+    if name in _EXPORTS or name in _PRIVATE_EXPORTS:
+        module = importlib.import_module(_EXPORTS.get(name) or _PRIVATE_EXPORTS[name], __name__)
+        value = module if name == "variants" else getattr(module, name)
+    elif name.startswith("_") and not name.startswith("__"):
+        # Any other private name of PyTorch's module is its machinery (scheduling metadata for its own kernels,
+        # test helpers): handed through, so that code importing it with the operator keeps importing.
+        value = getattr(importlib.import_module("torch.nn.attention.flex_attention"), name, _MISSING)
+        if value is _MISSING:
+            raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
+    else:  # (submodules too: `from . import x` asks here first)
         raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
-    module = importlib.import_module(_EXPORTS.get(name) or _PRIVATE_EXPORTS[name], __name__)
-    value = module if name == "variants" else getattr(module, name)
     globals()[name] = value
     return value
 

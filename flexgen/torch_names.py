@@ -6,7 +6,9 @@ that masks nothing at any length; `flex_attention` treats it as no block mask) a
 the once-only warnings it shares with PyTorch, such as return_lse's deprecation; clearing it shows them again). PyTorch's, handed through
 because they are PyTorch's machinery rather than part of the attention operator: `_apply_kernel_options`,
 `flex_attention_hop`, and the public `FlexKernelOptions` type (flexgen takes its keys and says
-which it ignores). They are imported only when asked for: they load torch's compiler stack.
+which it ignores); the package itself hands through any other private name of PyTorch's module, such as the dQ
+write order its deterministic kernels take from a block mask. They are imported only when asked for: they load
+torch's compiler stack.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex_module
 
 import flexgen
+from flexgen import torch_names
 
 
 def _dense(q, k, v, keep=None):
@@ -43,6 +44,27 @@ def test_the_names_pytorchs_tests_import_exist():
     assert flexgen.FlexKernelOptions is torch_flex_module.FlexKernelOptions
     with pytest.raises(AttributeError, match="no attribute '_no_such_name'"):
         flexgen._no_such_name  # noqa: B018
+
+
+def test_any_other_private_name_of_pytorchs_module_is_handed_through():
+    """Newer PyTorch test files import more of the module's private machinery with the operator (the dQ write
+    order of its deterministic kernels, from PyTorch 2.12); the import must not fail on flexgen."""
+    private = sorted(n for n in vars(torch_flex_module) if n.startswith("_") and not n.startswith("__")
+                     and not hasattr(torch_names, n))
+    assert private, "PyTorch's module has private names flexgen does not define itself"
+    for name in private:
+        assert getattr(flexgen, name) is getattr(torch_flex_module, name), name
+    if hasattr(torch_flex_module, "_compute_dq_write_order_from_block_mask"):
+        from flexgen import _compute_dq_write_order_from_block_mask as write_order
+
+        mask = lambda b, h, q, kv: q >= kv  # noqa: E731
+        ours = write_order(flexgen.create_block_mask(mask, 2, 2, 512, 512, device="cpu"))
+        theirs = write_order(torch_flex_module.create_block_mask(mask, 2, 2, 512, 512, device="cpu"))
+        for a, b in zip(ours, theirs):
+            assert (a is None and b is None) or torch.equal(a, b)
+    for name in ("_no_such_name", "__wrapped__", "no_such_name"):  # neither module's: still an AttributeError
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(flexgen, name)
 
 
 def test_identity_score_mod_and_empty_block_masks_attend_everything():
