@@ -98,10 +98,16 @@ class BlockMask:
     q_indices: torch.Tensor | None
     full_q_num_blocks: torch.Tensor | None
     full_q_indices: torch.Tensor | None
-    BLOCK_SIZE: tuple[int, int]
-    mask_mod: Any
+    # (defaults as PyTorch's constructor has them; no mask_mod: every element of a listed block is visible)
+    BLOCK_SIZE: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
+    mask_mod: Any = None
     # The mask_mod the lists were computed from (create_block_mask), else _NOT_DERIVED: see blocks_follow_mask_mod.
     blocks_from: Any = field(default=_NOT_DERIVED, repr=False, compare=False)
+
+    # PyTorch's pytree layout (BlockMask._flatten / _unflatten): the index tensors that are present, then the rest.
+    _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    _CONTEXT_ATTRS = ("seq_lengths", "BLOCK_SIZE", "mask_mod", "blocks_follow_mask_mod")
 
     def __post_init__(self):
         # (AssertionError, as PyTorch's BlockMask raises for these)
@@ -197,6 +203,32 @@ class BlockMask:
             tuple(bm.seq_lengths), bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
             q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
         )
+
+    # ------------------------------------------------------------ pytree
+    def _flatten(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """(tensors, context) as PyTorch's BlockMask._flatten: the index tensors present, in _TENSOR_ATTRS order;
+        the _CONTEXT_ATTRS values, then the names of the absent tensors."""
+        absent = tuple(a for a in self._TENSOR_ATTRS if getattr(self, a) is None)
+        tensors = tuple(getattr(self, a) for a in self._TENSOR_ATTRS if a not in absent)
+        return tensors, (*(getattr(self, a) for a in self._CONTEXT_ATTRS), absent)
+
+    def _flatten_with_keys(self) -> tuple[tuple[tuple[Any, torch.Tensor], ...], tuple]:
+        """_flatten with each tensor keyed by its attribute (torch.utils._pytree.GetAttrKey), for tracing."""
+        from torch.utils._pytree import GetAttrKey
+
+        tensors, context = self._flatten()
+        present = [a for a in self._TENSOR_ATTRS if a not in context[-1]]
+        return tuple((GetAttrKey(a), t) for a, t in zip(present, tensors)), context
+
+    @classmethod
+    def _unflatten(cls, tensors, context) -> "BlockMask":
+        """The mask _flatten took apart (whether its lists follow its mask_mod included)."""
+        *values, absent = context
+        ctx = dict(zip(cls._CONTEXT_ATTRS, values))
+        fields = dict.fromkeys(absent)
+        fields.update(zip([a for a in cls._TENSOR_ATTRS if a not in absent], tensors))
+        return cls(seq_lengths=tuple(ctx["seq_lengths"]), BLOCK_SIZE=tuple(ctx["BLOCK_SIZE"]), mask_mod=ctx["mask_mod"],
+                   blocks_from=ctx["mask_mod"] if ctx["blocks_follow_mask_mod"] else _NOT_DERIVED, **fields)
 
     # ------------------------------------------------------------ views
     @property

@@ -318,3 +318,71 @@ def test_adjust_keeps_the_prefix_as_pytorch_does():
         assert torch.equal(flexgen.flex_attention(q, k, v, block_mask=ours), flexgen.flex_attention(q, k, v, block_mask=direct))
     with pytest.raises(ValueError, match="at most"):
         ours._adjust(300, 384)
+
+
+# ---------------------------------------------------------------- pytree layout and constructor defaults
+
+
+def _dense_attention(q, k, v, keep):
+    """Float64 attention under an element mask; a row that sees nothing gives 0 (FlexAttention's convention)."""
+    s = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+@pytest.mark.parametrize("hand_made", [False, True])
+def test_flatten_unflatten_round_trip(hand_made):
+    """PyTorch's BlockMask._flatten / _unflatten / _flatten_with_keys, which newer test files and tracing code call:
+    the present tensors in _TENSOR_ATTRS order, the context then the absent names, and a rebuilt mask that attends
+    as the original (whether its lists follow its mask_mod kept)."""
+    g = torch.Generator().manual_seed(torch.seed())
+    if hand_made:  # lists of its own, no full blocks, not derived from a mask_mod
+        counts, indices, dense = random_lists(g, 2, 3, 4, 4)
+        mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=128, mask_mod=per_head_window)
+    else:
+        mask = create_block_mask(per_head_window, 2, 3, 512, 512, device="cpu")
+    tensors, context = mask._flatten()
+    present = [a for a in BlockMask._TENSOR_ATTRS if getattr(mask, a) is not None]
+    assert len(tensors) == len(present) and len(context) == len(BlockMask._CONTEXT_ATTRS) + 1
+    assert set(context[-1]) == set(BlockMask._TENSOR_ATTRS) - set(present)
+    rebuilt = BlockMask._unflatten(tensors, context)
+    for attr in BlockMask._TENSOR_ATTRS:
+        a, b = getattr(mask, attr), getattr(rebuilt, attr)
+        assert (a is None and b is None) or torch.equal(a, b), attr
+    for attr in BlockMask._CONTEXT_ATTRS:
+        assert getattr(mask, attr) == getattr(rebuilt, attr), attr
+    assert rebuilt.blocks_follow_mask_mod is (not hand_made)
+    keyed, keyed_context = mask._flatten_with_keys()
+    assert [key.name for key, _ in keyed] == present and keyed_context == context
+    assert all(t is u for (_, t), u in zip(keyed, tensors))
+    q, k, v = (torch.randn(2, 3, 512, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unfused path's notice
+        got = flexgen.flex_attention(q, k, v, block_mask=rebuilt)
+        want = flexgen.flex_attention(q, k, v, block_mask=mask)
+    assert torch.equal(got, want)
+    if not hand_made:
+        keep = per_head_window(*torch.meshgrid(torch.arange(2), torch.arange(3), torch.arange(512), torch.arange(512),
+                                               indexing="ij"))
+        assert (got - _dense_attention(q, k, v, keep)).abs().max().item() < 1e-10
+
+
+def test_constructor_defaults_as_pytorch():
+    """BLOCK_SIZE and mask_mod may be left out as in PyTorch's constructor: 128 x 128 blocks, and with no
+    mask_mod every element of a listed block is visible."""
+    g = torch.Generator().manual_seed(torch.seed())
+    counts, indices, dense = random_lists(g, 1, 2, 3, 3)
+    mask = BlockMask(seq_lengths=(384, 384), kv_num_blocks=counts, kv_indices=indices, full_kv_num_blocks=None,
+                     full_kv_indices=None, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
+                     full_q_indices=None)
+    theirs = fa.BlockMask(seq_lengths=(384, 384), kv_num_blocks=counts, kv_indices=indices, full_kv_num_blocks=None,
+                          full_kv_indices=None, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
+                          full_q_indices=None)
+    assert mask.BLOCK_SIZE == tuple(theirs.BLOCK_SIZE) and mask.mask_mod is None
+    assert torch.equal(mask.to_dense(), theirs.to_dense())
+    q, k, v = (torch.randn(1, 2, 384, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    keep = dense.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = flexgen.flex_attention(q, k, v, block_mask=mask)
+    assert not got.isnan().any()
+    assert (got - _dense_attention(q, k, v, keep)).abs().max().item() < 1e-10
