@@ -3,6 +3,7 @@ refuse (before any kernel could read past a tensor), and the methods a port call
 indexing, to_string, as_tuple, create_mask, device=None), compared with torch's own answers."""
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -374,10 +375,13 @@ def test_constructor_defaults_as_pytorch():
     mask = BlockMask(seq_lengths=(384, 384), kv_num_blocks=counts, kv_indices=indices, full_kv_num_blocks=None,
                      full_kv_indices=None, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
                      full_q_indices=None)
+    # (PyTorch's constructor has these defaults from 2.13 on; before, it requires both)
+    default = inspect.signature(fa.BlockMask.__init__).parameters["BLOCK_SIZE"].default
+    assert mask.BLOCK_SIZE == (128, 128) and mask.mask_mod is None
+    assert default is inspect.Parameter.empty or tuple(default) == mask.BLOCK_SIZE
     theirs = fa.BlockMask(seq_lengths=(384, 384), kv_num_blocks=counts, kv_indices=indices, full_kv_num_blocks=None,
                           full_kv_indices=None, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
-                          full_q_indices=None)
-    assert mask.BLOCK_SIZE == tuple(theirs.BLOCK_SIZE) and mask.mask_mod is None
+                          full_q_indices=None, BLOCK_SIZE=(128, 128), mask_mod=fa.noop_mask)
     assert torch.equal(mask.to_dense(), theirs.to_dense())
     q, k, v = (torch.randn(1, 2, 384, 16, generator=g, dtype=torch.float64) for _ in range(3))
     keep = dense.repeat_interleave(128, -2).repeat_interleave(128, -1)
