@@ -1,0 +1,105 @@
+"""Where a kernel's time goes by how often its code runs: ncu's stall samples per SASS instruction, grouped by the
+instruction's executed count. In a persistent attention kernel the count tells the code apart: once per KV tile
+or query step (the loop), once per work tile (its first step, last product, epilogue), once per CTA; so the share
+of samples per group says what a work tile's own code costs against a step's (docs/forward-sm90.md used it).
+
+    ncu -k flexgen_fwd --launch-skip 1 --launch-count 1 --section SourceCounters -o prof \\
+        python benchmarks/profile_one.py --variant sliding1024 --seqlen 8192 --fwd-only
+    ncu -i prof.ncu-rep --page source --csv --print-source sass > prof_sass.csv
+    python benchmarks/samples_by_count.py prof_sass.csv --per 16384 --top 8
+
+Prints each executed count with its instructions and share of all samples (largest first), then, for the counts
+given with `--per`, the instructions holding the most samples with their two main stall reasons. Needs no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Instruction:
+    offset: int
+    source: str
+    samples: int
+    executed: int
+    stalls: dict[str, int] = field(default_factory=dict)
+
+
+def _int(text: str) -> int:
+    text = text.replace(",", "").strip()
+    return int(float(text)) if text else 0
+
+
+def read_instructions(text: str) -> list[Instruction]:
+    """The rows of `ncu --page source --csv --print-source sass`: a kernel-name line, the header, one row per
+    instruction. Offsets are relative to the first instruction."""
+    rows = list(csv.reader(io.StringIO(text)))
+    start = next(i for i, row in enumerate(rows) if row and row[0] == "Address")
+    header, body = rows[start], rows[start + 1:]
+    col = {name: i for i, name in enumerate(header)}
+    stall_cols = [n for n in header if n.startswith("stall_") and "(Not Issued)" not in n]
+    out = []
+    for row in body:
+        if len(row) < len(header) or not row[col["Address"]].startswith("0x"):
+            continue
+        out.append(Instruction(
+            offset=int(row[col["Address"]], 16), source=row[col["Source"]].strip(),
+            samples=_int(row[col["Warp Stall Sampling (All Samples)"]]),
+            executed=_int(row[col["Instructions Executed"]]),
+            stalls={n: _int(row[col[n]]) for n in stall_cols},
+        ))
+    if out:
+        base = out[0].offset
+        for ins in out:
+            ins.offset -= base
+    return out
+
+
+def by_count(instructions: list[Instruction]) -> list[tuple[int, int, int]]:
+    """(executed count, instructions, samples) per count, most samples first."""
+    groups: dict[int, list[int]] = {}
+    for ins in instructions:
+        g = groups.setdefault(ins.executed, [0, 0])
+        g[0] += 1
+        g[1] += ins.samples
+    return sorted(((count, n, s) for count, (n, s) in groups.items()), key=lambda t: -t[2])
+
+
+def report(instructions: list[Instruction], per: list[int], top: int, groups: int, out=sys.stdout) -> None:
+    total = sum(i.samples for i in instructions) or 1
+    print(f"{len(instructions)} instructions, {total} samples", file=out)
+    print("| executed | instructions | samples | share |", file=out)
+    print("|---|---|---|---|", file=out)
+    for count, n, s in by_count(instructions)[:groups]:
+        print(f"| {count} | {n} | {s} | {100 * s / total:.1f}% |", file=out)
+    for count in per:
+        chosen = [i for i in instructions if i.executed == count]
+        share = 100 * sum(i.samples for i in chosen) / total
+        print(f"\nexecuted {count}: {len(chosen)} instructions, {share:.1f}% of the samples; the most sampled:", file=out)
+        for ins in sorted(chosen, key=lambda i: -i.samples)[:top]:
+            reasons = sorted(ins.stalls.items(), key=lambda t: -t[1])[:2]
+            why = ", ".join(f"{name[len('stall_'):]} {v}" for name, v in reasons if v)
+            print(f"  +{ins.offset:#07x} {ins.samples:6d} ({100 * ins.samples / total:.1f}%)  {why:30s}  {ins.source}",
+                  file=out)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    p.add_argument("--per", default="", help="comma list of executed counts to list instruction by instruction")
+    p.add_argument("--top", type=int, default=8, help="instructions listed per chosen count")
+    p.add_argument("--groups", type=int, default=20, help="executed counts in the summary table")
+    args = p.parse_args(argv)
+    with open(args.csv, newline="") as f:
+        instructions = read_instructions(f.read())
+    if not instructions:
+        sys.exit(f"samples_by_count: no instruction rows in {args.csv} (expected ncu's source page as CSV)")
+    report(instructions, [int(c) for c in args.per.split(",") if c], args.top, args.groups)
+
+
+if __name__ == "__main__":
+    main()

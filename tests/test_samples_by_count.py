@@ -1,0 +1,59 @@
+"""benchmarks/samples_by_count.py groups ncu's per-instruction stall samples by executed count."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "samples_by_count.py"
+
+HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+          '"Instructions Executed","stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"')
+
+
+def _csv(rows):
+    lines = ['"Kernel Name","flexgen_fwd",', HEADER]
+    for addr, src, samples, executed, barrier, long_sb, wait in rows:
+        lines.append(f'"{addr:#x}","{src}","{samples}","0","{executed}","{barrier}","{long_sb}","{wait}","99"')
+    return "\n".join(lines) + "\n"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("samples_by_count", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROWS = [  # a loop run 6400 times, a tile's code 100 times, an unexecuted retry block
+    (0x7F00, "LDC R1, c[0x0][0x28]", 1, 100, 0, 0, 1),
+    (0x7F10, "WARPGROUP.DEPBAR.LE gsb0, 0x0", 40, 100, 40, 0, 0),
+    (0x7F20, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24", 300, 6400, 10, 0, 290),
+    (0x7F30, "@!P0 BRA 0x7f80", 60, 6400, 0, 60, 0),
+    (0x7F40, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2", 0, 0, 0, 0, 0),
+]
+
+
+def test_groups_by_executed_count_with_offsets_and_stall_reasons():
+    m = _module()
+    ins = m.read_instructions(_csv(ROWS))
+    assert [i.offset for i in ins] == [0, 0x10, 0x20, 0x30, 0x40]
+    assert ins[1].stalls == {"stall_barrier": 40, "stall_long_sb": 0, "stall_wait": 0}  # not-issued columns left out
+    assert m.by_count(ins) == [(6400, 2, 360), (100, 2, 41), (0, 1, 0)]
+    out = io.StringIO()
+    m.report(ins, per=[100], top=1, groups=10, out=out)
+    text = out.getvalue()
+    assert "| 6400 | 2 | 360 | 89.8% |" in text and "| 100 | 2 | 41 | 10.2% |" in text
+    assert "executed 100: 2 instructions, 10.2% of the samples" in text
+    assert "+0x00010     40 (10.0%)  barrier 40" in text and "LDC" not in text.split("most sampled:")[1]
+
+
+def test_refuses_a_file_without_instruction_rows(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text('"Kernel Name","x",\n' + HEADER + "\n")
+    with pytest.raises(SystemExit, match="no instruction rows"):
+        _module().main([str(path)])
