@@ -1,9 +1,8 @@
 """benchmarks/samples_by_count.py groups ncu's per-instruction stall samples by executed count."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import io
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,10 @@ def _csv(rows):
     return "\n".join(lines) + "\n"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("samples_by_count", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclass looks its module up there)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    return importlib.import_module("samples_by_count")
 
 
 ROWS = [  # a loop run 6400 times, a tile's code 100 times, an unexecuted retry block
@@ -38,22 +35,21 @@ ROWS = [  # a loop run 6400 times, a tile's code 100 times, an unexecuted retry 
 ]
 
 
-def test_groups_by_executed_count_with_offsets_and_stall_reasons():
-    m = _module()
-    ins = m.read_instructions(_csv(ROWS))
+def test_groups_by_executed_count_with_offsets_and_stall_reasons(script):
+    ins = script.read_instructions(_csv(ROWS))
     assert [i.offset for i in ins] == [0, 0x10, 0x20, 0x30, 0x40]
     assert ins[1].stalls == {"stall_barrier": 40, "stall_long_sb": 0, "stall_wait": 0}  # not-issued columns left out
-    assert m.by_count(ins) == [(6400, 2, 360), (100, 2, 41), (0, 1, 0)]
+    assert script.by_count(ins) == [(6400, 2, 360), (100, 2, 41), (0, 1, 0)]
     out = io.StringIO()
-    m.report(ins, per=[100], top=1, groups=10, out=out)
+    script.report(ins, per=[100], top=1, groups=10, out=out)
     text = out.getvalue()
     assert "| 6400 | 2 | 360 | 89.8% |" in text and "| 100 | 2 | 41 | 10.2% |" in text
     assert "executed 100: 2 instructions, 10.2% of the samples" in text
     assert "+0x00010     40 (10.0%)  barrier 40" in text and "LDC" not in text.split("most sampled:")[1]
 
 
-def test_refuses_a_file_without_instruction_rows(tmp_path):
+def test_refuses_a_file_without_instruction_rows(script, tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text('"Kernel Name","x",\n' + HEADER + "\n")
     with pytest.raises(SystemExit, match="no instruction rows"):
-        _module().main([str(path)])
+        script.main([str(path)])
