@@ -63,6 +63,18 @@ def test_head_chunk_keeps_a_chunk_within_a_share_of_l2():
     assert head_chunk(3, 128, 64, 2, 1, l2) == 3  # at most all of them
 
 
+def test_head_chunk_covers_no_more_pairs_than_one_wave_of_ctas_holds_whole():
+    l2 = 50 * 2**20
+    # 132 CTAs, 64 query tiles per pair (N = 8k, 128-row tiles): two pairs' tiles fill a wave, where L2 allows 4
+    assert head_chunk(32, 8192, 128, 2, 1, l2, query_tiles=64, ctas=132) == 2
+    assert head_chunk(32, 2048, 128, 2, 1, l2, query_tiles=16, ctas=132) == 8  # (L2 allows 16)
+    assert head_chunk(32, 8192, 64, 2, 1, l2, query_tiles=43, ctas=132) == 3  # 192-row tiles at D = 64
+    assert head_chunk(32, 1024, 64, 2, 1, l2, query_tiles=8, ctas=132) == 16  # (L2 allows 66)
+    assert head_chunk(32, 32768, 128, 2, 1, l2, query_tiles=8, ctas=132) == 1  # a long KV: the L2 share decides
+    assert head_chunk(32, 32768, 128, 2, 1, l2, query_tiles=256, ctas=132) == 1  # a pair outlasts a wave: one
+    assert head_chunk(4, 8192, 128, 2, 1, l2, query_tiles=64, ctas=256) == 4  # a grid of one CTA per tile: no cap
+
+
 def _tile_weights(bm, block_n, num_kv_tiles, batch, heads, kv_heads):
     """Per work tile (KV tile fastest, then KV head, then batch): the query blocks listed for its KV block (partial
     ones twice), summed over the KV head's query heads; written out with loops."""

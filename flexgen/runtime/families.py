@@ -286,8 +286,9 @@ class SM90(Family):
         order = None if block_mask is None else query_tile_order(block_mask, spec.block_m)
         if order is not None:  # (without it the kernel takes later query tiles first)
             p.m_order = order.data_ptr()
-        p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device))
         grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
+        p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device),
+                                  query_tiles=-(-q_len // spec.block_m), ctas=grid[0])
         return grid, (order,)
 
     def stream_fields(self, p, device, stream: int) -> None:

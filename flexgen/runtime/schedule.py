@@ -97,11 +97,17 @@ def l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-def head_chunk(pairs: int, kv_len: int, head_dim: int, elem_bytes: int, kv_group: int, l2_bytes: int) -> int:
+def head_chunk(pairs: int, kv_len: int, head_dim: int, elem_bytes: int, kv_group: int, l2_bytes: int,
+               query_tiles: int = 0, ctas: int = 0) -> int:
     """How many (batch, head) pairs' tiles to interleave: as many as keep their K and V within a share of
-    L2 (query heads of one KV head share theirs), at least one, at most all."""
+    L2 (query heads of one KV head share theirs), and no more than a wave of `ctas` covers with every one of
+    their `query_tiles` (each pair's K and V then stream through L2 once, read by all its tiles at about the same
+    time); at least one, at most all."""
     per_pair = max(1, 2 * kv_len * head_dim * elem_bytes // kv_group)
-    return max(1, min(pairs, int(l2_bytes * _L2_SHARE) // per_pair))
+    chunk = int(l2_bytes * _L2_SHARE) // per_pair
+    if query_tiles > 0 and ctas > 0:
+        chunk = min(chunk, ctas // query_tiles)
+    return max(1, min(pairs, chunk))
 
 
 _counters: dict[tuple[int, int], torch.Tensor] = {}
