@@ -287,8 +287,8 @@ class SM90(Family):
         if order is not None:  # (without it the kernel takes later query tiles first)
             p.m_order = order.data_ptr()
         grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
-        p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device),
-                                  query_tiles=-(-q_len // spec.block_m), ctas=grid[0])
+        p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1],
+                                  l2_bytes(q.device), query_tiles=-(-q_len // spec.block_m), ctas=grid[0])
         return grid, (order,)
 
     def stream_fields(self, p, device, stream: int) -> None:
