@@ -282,13 +282,14 @@ class SM90(Family):
         # grid ends on light tiles, and the next tile's copies hide behind this one's epilogue);
         # kernel_options={"persistent": False} launches one CTA per work tile.
         batch, heads, q_len, d = q.shape
-        work = -(-q_len // spec.block_m) * heads * batch
+        query_tiles = -(-q_len // spec.block_m)
+        work = query_tiles * heads * batch
         order = None if block_mask is None else query_tile_order(block_mask, spec.block_m)
         if order is not None:  # (without it the kernel takes later query tiles first)
             p.m_order = order.data_ptr()
         grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
         p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1],
-                                  l2_bytes(q.device), query_tiles=-(-q_len // spec.block_m), ctas=grid[0])
+                                  l2_bytes(q.device), query_tiles=query_tiles, ctas=grid[0])
         return grid, (order,)
 
     def stream_fields(self, p, device, stream: int) -> None:
