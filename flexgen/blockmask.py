@@ -205,11 +205,16 @@ class BlockMask:
         )
 
     # ------------------------------------------------------------ pytree
+    @classmethod
+    def _present(cls, absent) -> tuple[str, ...]:
+        """The _TENSOR_ATTRS not named in `absent` (the last entry of a _flatten context), in order."""
+        return tuple(a for a in cls._TENSOR_ATTRS if a not in absent)
+
     def _flatten(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """(tensors, context) as PyTorch's BlockMask._flatten: the index tensors present, in _TENSOR_ATTRS order;
         the _CONTEXT_ATTRS values, then the names of the absent tensors."""
         absent = tuple(a for a in self._TENSOR_ATTRS if getattr(self, a) is None)
-        tensors = tuple(getattr(self, a) for a in self._TENSOR_ATTRS if a not in absent)
+        tensors = tuple(getattr(self, a) for a in self._present(absent))
         return tensors, (*(getattr(self, a) for a in self._CONTEXT_ATTRS), absent)
 
     def _flatten_with_keys(self) -> tuple[tuple[tuple[Any, torch.Tensor], ...], tuple]:
@@ -217,8 +222,7 @@ class BlockMask:
         from torch.utils._pytree import GetAttrKey
 
         tensors, context = self._flatten()
-        present = [a for a in self._TENSOR_ATTRS if a not in context[-1]]
-        return tuple((GetAttrKey(a), t) for a, t in zip(present, tensors)), context
+        return tuple((GetAttrKey(a), t) for a, t in zip(self._present(context[-1]), tensors)), context
 
     @classmethod
     def _unflatten(cls, tensors, context) -> "BlockMask":
@@ -226,7 +230,7 @@ class BlockMask:
         *values, absent = context
         ctx = dict(zip(cls._CONTEXT_ATTRS, values))
         fields = dict.fromkeys(absent)
-        fields.update(zip([a for a in cls._TENSOR_ATTRS if a not in absent], tensors))
+        fields.update(zip(cls._present(absent), tensors))
         return cls(seq_lengths=tuple(ctx["seq_lengths"]), BLOCK_SIZE=tuple(ctx["BLOCK_SIZE"]), mask_mod=ctx["mask_mod"],
                    blocks_from=ctx["mask_mod"] if ctx["blocks_follow_mask_mod"] else _NOT_DERIVED, **fields)
 
