@@ -3,10 +3,12 @@ counts, cached per mask tensor, and how many (batch, head) pairs' tiles interlea
 each persistent CTA."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flexgen import create_block_mask, variants as V
-from flexgen.runtime.schedule import head_chunk, kv_tile_turns, query_tile_order
+from flexgen.runtime import schedule
+from flexgen.runtime.schedule import chunk_by_tail, head_chunk, kv_tile_turns, modeled_tail, query_tile_order
 
 
 def _weights(bm, block_m):
@@ -73,6 +75,35 @@ def test_head_chunk_covers_no_more_pairs_than_one_wave_of_ctas_holds_whole():
     assert head_chunk(32, 32768, 128, 2, 1, l2, query_tiles=8, ctas=132) == 1  # a long KV: the L2 share decides
     assert head_chunk(32, 32768, 128, 2, 1, l2, query_tiles=256, ctas=132) == 1  # a pair outlasts a wave: one
     assert head_chunk(4, 8192, 128, 2, 1, l2, query_tiles=64, ctas=256) == 4  # a grid of one CTA per tile: no cap
+
+
+def test_modeled_tail_follows_ctas_taking_the_next_tile_as_they_come_free():
+    # Two pairs of tiles costing 4, 1, 1 on 3 CTAs. Pair by pair (4 1 1 4 1 1): the second 4 starts at 1 and
+    # ends at 5, the mean is 4. Rank by rank (4 4 1 1 1 1): every CTA ends at 4.
+    assert modeled_tail((4.0, 1.0, 1.0), 2, 3, 1) == pytest.approx(1.25)
+    assert modeled_tail((4.0, 1.0, 1.0), 2, 3, 2) == pytest.approx(1.0)
+    assert modeled_tail((2.0,), 1, 132, 1) == pytest.approx(1.0)  # fewer tiles than CTAs
+
+
+def test_chunk_by_tail_takes_the_shortest_tail_within_the_bound_and_is_cached(monkeypatch):
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = create_block_mask(causal, None, None, 8192, 8192, device="cpu")
+    # D = 64, N = 8k: 192-row tiles, 43 per pair; the wave bound is 3, whose tail is the longest of 1-3
+    tails = {c: modeled_tail(schedule._query_tile_costs(bm.kv_num_blocks, bm.full_kv_num_blocks, bm, 192), 32, 132, c)
+             for c in (1, 2, 3)}
+    assert min(tails, key=tails.get) == 2 and tails[3] > tails[1]
+    assert chunk_by_tail(bm, 192, 32, 132, 3) == 2
+    assert chunk_by_tail(bm, 128, 32, 132, 2) == 2  # D = 128: the bound is also the shortest
+    assert chunk_by_tail(bm, 192, 32, 132, 1) == 1
+    calls = []
+    real = schedule._chunk_by_tail
+    monkeypatch.setattr(schedule, "_chunk_by_tail", lambda *a: calls.append(a) or real(*a))
+    chunk_by_tail(bm, 192, 32, 132, 3)
+    assert calls == []  # (cached per mask)
+    bm.kv_num_blocks.add_(0)  # an in-place change invalidates it
+    assert chunk_by_tail(bm, 192, 32, 132, 3) == 2 and len(calls) == 1
 
 
 def _tile_weights(bm, block_n, num_kv_tiles, batch, heads, kv_heads):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ..arch import capability, shared_memory_limit
 from ..codegen.spec import HEAD_DIMS, KernelSpec
 from . import bwd_tiles
-from .schedule import head_chunk, kv_tile_turns, l2_bytes, query_tile_order, sm_count, tile_counter
+from .schedule import (chunk_by_tail, head_chunk, kv_tile_turns, l2_bytes, query_tile_order, sm_count,
+                       tile_counter)
 
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -290,6 +291,8 @@ class SM90(Family):
         grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
         p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1],
                                   l2_bytes(q.device), query_tiles=query_tiles, ctas=grid[0])
+        if block_mask is not None:  # (the tiles differ in cost: within that bound, the chunk with the shortest tail)
+            p.head_chunk = chunk_by_tail(block_mask, spec.block_m, batch * heads, grid[0], p.head_chunk)
         return grid, (order,)
 
     def stream_fields(self, p, device, stream: int) -> None:

@@ -4,6 +4,7 @@ backward, which KV tile each persistent CTA takes at each turn."""
 from __future__ import annotations
 
 import functools
+import heapq
 
 import torch
 
@@ -24,6 +25,50 @@ def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
         return None
     key = (id(counts), id(full), block_m, block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0])
     return cached_per_mask(key, counts, full, lambda: _query_tile_order(counts, full, block_mask, block_m))
+
+
+def chunk_by_tail(block_mask, block_m: int, pairs: int, ctas: int, bound: int) -> int:
+    """The head chunk, at most `bound` (head_chunk), whose modeled tail (modeled_tail, the query tiles weighed by
+    the block mask) is shortest; the largest among equals. Cached per count tensor as query_tile_order; `bound`
+    under CUDA-graph capture."""
+    counts, full = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
+    if bound <= 1 or capturing(counts):
+        return bound
+    key = ("chunk", id(counts), id(full), block_m, block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0], pairs, ctas,
+           bound)
+    return cached_per_mask(key, counts, full, lambda: _chunk_by_tail(_query_tile_costs(counts, full, block_mask,
+                                                                                         block_m), pairs, ctas, bound))
+
+
+def _chunk_by_tail(costs: tuple[float, ...], pairs: int, ctas: int, bound: int) -> int:
+    tails = {chunk: round(modeled_tail(costs, pairs, ctas, chunk), 6) for chunk in range(bound, 0, -1)}
+    return min(tails, key=lambda chunk: (tails[chunk], -chunk))
+
+
+def _query_tile_costs(counts, full, block_mask, block_m: int) -> tuple[float, ...]:
+    """What a query tile of one (batch, head) pair costs, heaviest first: its KV blocks (averaged over the
+    mask's batch and heads) plus one for its fixed part (docs/scheduling.md's model)."""
+    weights = counts.to(torch.int64) if full is None else counts.to(torch.int64) + full
+    per_block = weights.sum(dim=(0, 1)).double() / (weights.shape[0] * weights.shape[1])
+    q_len, q_block = block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0]
+    tiles = torch.arange(-(-q_len // block_m), device=per_block.device)
+    cost = torch.sort(per_block[tiles * block_m // q_block], descending=True).values + 1
+    return tuple(cost.tolist())
+
+
+def modeled_tail(costs: tuple[float, ...], pairs: int, ctas: int, chunk: int) -> float:
+    """The last CTA's finish over the mean when `ctas` CTAs each take the next tile as they come free, the tiles
+    in the forward's order (sm90/work_order.cuh): pairs in chunks of `chunk`, within a chunk the rank (`costs`,
+    heaviest first) varying slowest."""
+    free = [0.0] * min(ctas, pairs * len(costs))
+    total = 0.0
+    for first in range(0, pairs, chunk):
+        in_chunk = min(chunk, pairs - first)
+        for cost in costs:
+            for _ in range(in_chunk):
+                heapq.heapreplace(free, free[0] + cost)
+            total += cost * in_chunk
+    return max(free) / (total / len(free))
 
 
 def _query_tile_order(counts, full, block_mask, block_m: int) -> torch.Tensor:
