@@ -142,6 +142,33 @@ def test_from_kv_blocks_accepts_what_torch_builds():
     assert flat.shape == (1, 1, 5 * 128, 6 * 128) and torch.equal(flat.to_dense()[0, 0].bool(), dense[0, 0])
 
 
+def test_torch_lists_naming_blocks_outside_the_sequence_are_left_out():
+    """PyTorch's PagedAttention lists page -1 for pages it has not reserved (its mask_mod masks them): such
+    blocks, and blocks past KV_LEN, hold no keys. Adopting the mask leaves them out, with a warning; attention
+    over it equals attention over the mask without them."""
+    from flexgen.warnings_once import _WARNINGS_SHOWN
+
+    g = torch.Generator().manual_seed(5)
+    counts, indices, dense = random_lists(g, 1, 2, 4, 5)
+    dense[..., -1] = False  # a free slot in every row for the extra entry
+    counts, indices = (t.clone() for t in listed_first(dense))
+    rows = counts.long().unsqueeze(-1)
+    indices.scatter_(-1, rows, torch.where(torch.rand(rows.shape, generator=g) < 0.5, -1, 5).int())
+    theirs = fa.BlockMask.from_kv_blocks(counts + 1, indices, BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
+    _WARNINGS_SHOWN.discard("block_mask_lists_outside")
+    with pytest.warns(UserWarning, match=r"lists KV blocks outside \[0, 5\)"):
+        ours = BlockMask.from_torch(theirs)
+    assert torch.equal(ours.to_dense().bool(), dense)
+    assert torch.equal(ours.q_num_blocks, dense.transpose(-1, -2).sum(-1, dtype=torch.int32))
+    clean = fa.BlockMask.from_kv_blocks(*listed_first(dense), BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for n in (128, 160, 160))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        got = flexgen.flex_attention(q, k, v, block_mask=theirs)
+        want = flexgen.flex_attention(q, k, v, block_mask=clean)
+    assert not torch.isnan(got).any() and torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- block_sparse_mask refuses bad input
 
 
@@ -365,6 +392,21 @@ def test_flatten_unflatten_round_trip(hand_made):
         keep = per_head_window(*torch.meshgrid(torch.arange(2), torch.arange(3), torch.arange(512), torch.arange(512),
                                                indexing="ij"))
         assert (got - _dense_attention(q, k, v, keep)).abs().max().item() < 1e-10
+
+
+def test_block_mask_is_a_pytree_node():
+    """As PyTorch's BlockMask: pytree tools take it apart into its present index tensors and put it back."""
+    from torch.utils import _pytree
+
+    mask = create_block_mask(per_head_window, 2, 3, 512, 512, device="cpu")
+    leaves, spec = _pytree.tree_flatten({"mask": mask, "step": 3})
+    present = [getattr(mask, a) for a in BlockMask._TENSOR_ATTRS if getattr(mask, a) is not None]
+    assert len(leaves) == len(present) + 1 and all(a is b for a, b in zip(leaves, present)) and leaves[-1] == 3
+    moved = _pytree.tree_map_only(torch.Tensor, lambda t: t + 0, {"mask": mask})["mask"]
+    assert isinstance(moved, BlockMask) and moved.blocks_follow_mask_mod and moved.mask_mod is mask.mask_mod
+    assert moved.kv_indices is not mask.kv_indices and torch.equal(moved.to_dense(), mask.to_dense())
+    keyed, _ = _pytree.tree_flatten_with_path(mask)
+    assert [_pytree.keystr(path) for path, _ in keyed][:2] == [".kv_num_blocks", ".kv_indices"]
 
 
 def test_constructor_defaults_as_pytorch():

