@@ -175,3 +175,28 @@ def test_sm80_forward_tile_fits_the_mask_blocks():
     # dropout's lean tile at D = 128 (8 warps of 16 rows) under 64-row blocks: 4 warps of 16 rows
     spec = plan("fwd", "sm_80", 128, "bf16", None, V.causal.expr, dropout=True, mask_block=(64, 128))
     assert (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 4)
+
+
+def test_sm90_forward_head_chunk_under_a_causal_mask(monkeypatch):
+    """The forward's head chunk on an H200-sized device (132 SMs, 50 MB of L2), B = 2, H = 16, N = 8k: without a
+    mask the wave bound (ctas // query tiles); under a causal mask the shortest modeled tail within it, which on
+    192-row tiles (D = 64) may reach 4/3 of a wave (schedule.TAIL_REACH)."""
+    import types
+
+    from flexgen import create_block_mask
+
+    monkeypatch.setattr(families, "sm_count", lambda device: 132)
+    monkeypatch.setattr(families, "l2_bytes", lambda device: 50 << 20)
+    causal = create_block_mask(V.causal, None, None, 8192, 8192, device="cpu")
+    sm90 = families.named("sm90")
+    chunks = {}
+    for d, block_m in ((128, 128), (64, 192)):
+        spec = planning.plan("fwd", "sm_90a", d, "bf16").with_(block_m=block_m)
+        q = torch.empty(2, 16, 8192, d, device="meta")
+        for name, mask in (("none", None), ("causal", causal)):
+            p = types.SimpleNamespace()
+            grid, _ = sm90.forward_grid(spec, p, q, q, mask)
+            assert grid == (132, 1, 1)
+            chunks[d, name] = p.head_chunk
+    # 64 and 43 query tiles per pair: waves of 2 and 3 pairs; the causal tail is shortest at 2 and, reaching 4, at 4
+    assert chunks == {(128, "none"): 2, (128, "causal"): 2, (64, "none"): 3, (64, "causal"): 4}

@@ -13,6 +13,11 @@ from .mask_cache import cached_per_mask, capturing
 # The K and V of one chunk of (batch, head) pairs should take at most this share of the L2 cache: they are
 # read by every CTA working on the chunk, while Q, O and the next chunk's K and V pass through beside them.
 _L2_SHARE = 1 / 3
+# Under a block mask, on the forward's 192-row tiles (D = 64), chunk_by_tail looks for the shortest tail among chunks
+# up to what 4/3 of a wave covers whole: tiles of unequal cost do not run in waves, so a chunk a little past one wave
+# still has most of its K and V read at about the same time, and the shorter tail pays there (on 128-row tiles it
+# did not: docs/scheduling.md, step 7).
+TAIL_REACH = (4, 3)
 
 
 def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
