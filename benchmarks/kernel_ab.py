@@ -30,7 +30,7 @@ CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) a
             (128, "softcap30-causal"), (128, "document-causal"), (64, "full"), (64, "causal"), (64, "sliding1024"),
             (64, "alibi-causal"), (64, "softcap30-causal"), (64, "alibi-slopes-causal"), (64, "document-causal")],
     "bwd": [(128, "full"), (128, "causal"), (128, "alibi-causal"), (128, "softcap30-causal"), (128, "document-causal"),
-            (128, "sliding1024"), (64, "full"), (64, "causal"), (64, "alibi-causal")],
+            (128, "sliding1024"), (64, "full"), (64, "causal"), (64, "alibi-causal"), (64, "sliding1024")],
 }
 
 
