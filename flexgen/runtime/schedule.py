@@ -53,12 +53,18 @@ def _chunk_by_tail(costs: tuple[float, ...], pairs: int, ctas: int, bound: int) 
 def _query_tile_costs(counts, full, block_mask, block_m: int) -> tuple[float, ...]:
     """What a query tile of one (batch, head) pair costs, heaviest first: its KV blocks (averaged over the
     mask's batch and heads) plus one for its fixed part (docs/scheduling.md's model)."""
+    per_tile = _tile_weights(counts, full, block_mask, block_m).double() / (counts.shape[0] * counts.shape[1])
+    return tuple((torch.sort(per_tile, descending=True).values + 1).tolist())
+
+
+def _tile_weights(counts, full, block_mask, block_m: int) -> torch.Tensor:
+    """Per query tile of `block_m` rows, in order: the KV blocks the mask lists for its query block (partial and
+    full), summed over batch and heads."""
     weights = counts.to(torch.int64) if full is None else counts.to(torch.int64) + full
-    per_block = weights.sum(dim=(0, 1)).double() / (weights.shape[0] * weights.shape[1])
+    per_block = weights.sum(dim=(0, 1)) if weights.dim() == 3 else weights
     q_len, q_block = block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0]
     tiles = torch.arange(-(-q_len // block_m), device=per_block.device)
-    cost = torch.sort(per_block[tiles * block_m // q_block], descending=True).values + 1
-    return tuple(cost.tolist())
+    return per_block[tiles * block_m // q_block]
 
 
 def modeled_tail(costs: tuple[float, ...], pairs: int, ctas: int, chunk: int) -> float:
@@ -77,12 +83,9 @@ def modeled_tail(costs: tuple[float, ...], pairs: int, ctas: int, chunk: int) ->
 
 
 def _query_tile_order(counts, full, block_mask, block_m: int) -> torch.Tensor:
-    weights = counts.to(torch.int64) if full is None else counts.to(torch.int64) + full
-    per_block = weights.sum(dim=(0, 1)) if weights.dim() == 3 else weights
-    q_len, q_block = block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0]
-    tiles = torch.arange(-(-q_len // block_m) - 1, -1, -1, device=per_block.device)  # later tiles first among equals
-    weight = per_block[tiles * block_m // q_block]
-    return tiles[torch.sort(weight, descending=True, stable=True).indices].to(torch.int32)
+    weights = _tile_weights(counts, full, block_mask, block_m)
+    tiles = torch.arange(weights.numel() - 1, -1, -1, device=weights.device)  # later tiles first among equals
+    return tiles[torch.sort(weights[tiles], descending=True, stable=True).indices].to(torch.int32)
 
 
 def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,
