@@ -289,12 +289,12 @@ class SM90(Family):
         if order is not None:  # (without it the kernel takes later query tiles first)
             p.m_order = order.data_ptr()
         grid = (min(work, sm_count(q.device)) if spec.option("persistent", True) else work, 1, 1)
-        shape = (batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1], l2_bytes(q.device))
-        p.head_chunk = head_chunk(*shape, query_tiles=query_tiles, ctas=grid[0])
+        reach = grid[0]  # (under a block mask on 192-row tiles the bound reaches further: TAIL_REACH)
+        if block_mask is not None and spec.block_m == self.FWD_THREE_WG[0]:
+            reach = grid[0] * TAIL_REACH[0] // TAIL_REACH[1]
+        p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1],
+                                  l2_bytes(q.device), query_tiles=query_tiles, ctas=reach)
         if block_mask is not None:  # (the tiles differ in cost: within that bound, the chunk with the shortest tail)
-            if spec.block_m == self.FWD_THREE_WG[0]:  # (the bound reaches further on 192-row tiles: TAIL_REACH)
-                reach = grid[0] * TAIL_REACH[0] // TAIL_REACH[1]
-                p.head_chunk = head_chunk(*shape, query_tiles=query_tiles, ctas=reach)
             p.head_chunk = chunk_by_tail(block_mask, spec.block_m, batch * heads, grid[0], p.head_chunk)
         return grid, (order,)
 
