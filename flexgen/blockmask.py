@@ -71,17 +71,20 @@ def dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order
 
 
+def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Which slots of each row of `indices` the row's count covers."""
+    return torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
+
+
 def listed_outside(counts: torch.Tensor, indices: torch.Tensor, n_kv_blocks: int) -> torch.Tensor:
     """Which slots of each row (within the row's count) name a block outside [0, n_kv_blocks)."""
-    present = torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
-    return present & ((indices < 0) | (indices >= n_kv_blocks))
+    return _listed(counts, indices) & ((indices < 0) | (indices >= n_kv_blocks))
 
 
 def lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
     """(..., rows, cols) bools from per-row counts and block numbers; block numbers outside [0, cols) name no
     column and are left out."""
-    present = torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
-    present &= (indices >= 0) & (indices < cols)
+    present = _listed(counts, indices) & (indices >= 0) & (indices < cols)
     dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=indices.device)
     # Absent slots scatter into a spare column that is dropped afterwards.
     target = torch.where(present, indices.long(), torch.full_like(indices.long(), cols))
@@ -93,12 +96,12 @@ def _kv_blocks(bm) -> int:
     return -(-int(bm.seq_lengths[1]) // _pair(bm.BLOCK_SIZE)[1])
 
 
-def _lists_blocks_outside(bm) -> bool:
-    """Whether a PyTorch mask's kv lists name a block outside the sequence's KV blocks. Not under torch.compile,
-    whose tensors hold no values while it traces (there the lists are taken as they are, as PyTorch takes them)."""
+def _lists_blocks_outside(bm, n_kv: int) -> bool:
+    """Whether a PyTorch mask's kv lists name a block outside the sequence's `n_kv` KV blocks. Not under
+    torch.compile, whose tensors hold no values while it traces (there the lists are taken as they are, as PyTorch
+    takes them)."""
     if torch.compiler.is_compiling():
         return False
-    n_kv = _kv_blocks(bm)
     outside = listed_outside(bm.kv_num_blocks, bm.kv_indices, n_kv).any()
     if bm.full_kv_num_blocks is not None:
         outside |= listed_outside(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv).any()
@@ -220,8 +223,9 @@ class BlockMask:
         """Adopt a torch.nn.attention.flex_attention.BlockMask as it is."""
         if isinstance(bm, BlockMask):
             return bm
-        if _lists_blocks_outside(bm):
-            return cls._from_blocks_inside(bm)
+        n_kv = _kv_blocks(bm)
+        if _lists_blocks_outside(bm, n_kv):
+            return cls._from_blocks_inside(bm, n_kv)
         q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
         if q_num is None:
             made = cls.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
@@ -232,17 +236,16 @@ class BlockMask:
         )
 
     @classmethod
-    def _from_blocks_inside(cls, bm) -> "BlockMask":
+    def _from_blocks_inside(cls, bm, n_kv: int) -> "BlockMask":
         """A PyTorch mask whose lists name blocks outside the sequence, rebuilt from the blocks inside it: those
         hold no keys. PyTorch's PagedAttention lists page -1 for the logical blocks of a batch it has reserved no
         pages for, and its mask_mod masks them; the kernels would read K and V there."""
         from .warnings_once import warn_once_key
 
         warn_once_key("block_mask_lists_outside",
-                      f"flex_attention: the block mask lists KV blocks outside [0, {_kv_blocks(bm)}) (the KV blocks "
+                      f"flex_attention: the block mask lists KV blocks outside [0, {n_kv}) (the KV blocks "
                       f"of KV_LEN {bm.seq_lengths[1]}), such as the page -1 of PyTorch's PagedAttention for pages not "
                       f"reserved; they hold no keys and are left out", stacklevel=4)
-        n_kv = _kv_blocks(bm)
         partial = lists_to_dense(bm.kv_num_blocks, bm.kv_indices, n_kv)
         full = torch.zeros_like(partial)
         if bm.full_kv_num_blocks is not None:
