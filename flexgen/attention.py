@@ -155,7 +155,7 @@ def _without_unbounded_block(block_mask, query, key):
     from .variant import mod_parts
 
     mask_mod = getattr(block_mask, "mask_mod", None)
-    parts = mod_parts(mask_mod, "mask") if mask_mod is not None else ("", ())
+    parts = mod_parts(mask_mod, "mask", query.device) if mask_mod is not None else ("", ())
     if parts is not None and parts[0] == "":
         return None
     return create_block_mask(mask_mod, query.shape[0], query.shape[1], query.shape[-2], key.shape[-2],
@@ -272,8 +272,8 @@ def flex_attention(
     bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
     if bm is not None:  # here, not only in the ops: they take the lengths from the inputs
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
-    score_parts = mod_parts(score_mod, "score")
-    mask_parts = mod_parts(bm.mask_mod, "mask") if bm is not None else ("", ())
+    score_parts = mod_parts(score_mod, "score", query.device)
+    mask_parts = mod_parts(bm.mask_mod, "mask", query.device) if bm is not None else ("", ())
     if bm is not None and mask_parts is not None:  # (PyTorch's create_block_mask's lists follow their mask_mod)
         bm = adopt_if_lists_follow(bm, *mask_parts)
     if bm is not None and reason is None:

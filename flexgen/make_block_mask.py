@@ -91,13 +91,13 @@ def _traced_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size: tuple[
     """create_block_mask's work where dynamo traces it."""
     from .variant import mod_parts
 
-    parts = mod_parts(mask_mod, "mask")
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    parts = mod_parts(mask_mod, "mask", torch.device(device))
     if parts is None:
         raise RuntimeError("create_block_mask under torch.compile: a mask_mod made inside the compiled function "
                            "that captures tensors cannot be traced; define it outside the compiled function")
     token, buffers = parts
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads = B or 1, H or 1
     reads_b, reads_h = _batch_heads_read(token)
     lists = block_mask_lists(list(buffers), token, batch if reads_b else 1, heads if reads_h else 1, Q_LEN, KV_LEN,

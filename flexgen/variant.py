@@ -168,21 +168,28 @@ def _traced(fn, kind: str) -> Mod | None:
     return as_mask_mod(mod) if kind == "mask" else mod
 
 
+def _for_ident(func, ident: tuple):
+    """func, or with the cells `ident` marks as read at run time holding 0-dim int32 tensors."""
+    cells = _run_time_cells(ident)
+    return _with_buffers_for(func, cells) if cells else func
+
+
 def _bound(func, owner):
     return func if owner is None else types.MethodType(func, owner)
 
 
 @assume_constant_result
 def _function_token(kind: str, func, owner, ident: tuple) -> str:
-    """`ident`: ids of what the function captures, only so that dynamo guards on them."""
-    mod = _traced(_bound(func, owner), kind)
+    """`ident`: ids of what the function captures, only so that dynamo guards on them (and the integers read at
+    run time)."""
+    mod = _traced(_bound(_for_ident(func, ident), owner), kind)
     return "" if mod is None else mod.token
 
 
 @assume_constant_result
 def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
     """For each buffer of the function's Mod, how to reach the tensor from it (see _follow)."""
-    fn = _bound(func, owner)
+    fn = _bound(_for_ident(func, ident), owner)
     mod = _traced(fn, kind)
     if mod is None:
         return ()
@@ -302,9 +309,10 @@ def _follow(obj, path: tuple):
     return obj
 
 
-def mod_parts(fn, kind: str) -> tuple[str, tuple] | None:
+def mod_parts(fn, kind: str, device: torch.device | None = None) -> tuple[str, tuple] | None:
     """(token, buffer tensors) of a score_mod or mask_mod; ("", ()) when there is none.
-    None under torch.compile for a function dynamo cannot hand over (see _compiled_parts)."""
+    None under torch.compile for a function dynamo cannot hand over (see _compiled_parts). `device`: where the
+    call's tensors are, for the buffers made of sizes a compiled function captured (see _specialise_numbers)."""
     if fn is None:
         return "", ()
     if isinstance(fn, Mod):
@@ -312,7 +320,7 @@ def mod_parts(fn, kind: str) -> tuple[str, tuple] | None:
             raise TypeError(f"flex_attention: got a {fn.kind}_mod where a {kind}_mod belongs")
         return ("", ()) if fn.is_noop else (fn.token, fn.buffer_tensors)
     if torch.compiler.is_compiling():
-        return _compiled_parts(fn, kind)
+        return _compiled_parts(fn, kind, device)
     mod = _traced(fn, kind)
     return ("", ()) if mod is None else (mod.token, mod.buffer_tensors)
 
@@ -344,17 +352,79 @@ def _classify(ctx) -> None:
         _HELD[site] = "opaque"
 
 
+# _SPECIALISED's entry for an integer the function captured that the kernel reads at run time.
+_AT_RUN_TIME = "run time"
+
+
 def _specialise_numbers(ctx) -> None:
-    """A number the function captured, which dynamo made symbolic (compiled with dynamic=True), is part of the
-    kernel's code, as PyTorch's FlexAttention bakes it into its own: take its value and make dynamo guard on it
+    """A number the function captured, which dynamo made symbolic (dynamic=True, or a value that changed between
+    calls): an integer becomes a 0-dim int32 buffer that the kernel reads at run time (as PyTorch passes such a
+    symbol to its kernel), so that another value runs the same graph, where the function traces with a tensor in
+    its place; any other such number is part of the kernel's code: take its value and make dynamo guard on it
     (guard_scalar), so that another value recompiles instead of running a kernel built for this one."""
     from torch.fx.experimental.symbolic_shapes import guard_scalar
 
+    cells = _traced_variable(ctx, "cells").items
+    ints = tuple(i for i, cell in enumerate(cells) if isinstance(getattr(cell, "sym_num", None), torch.SymInt))
+    if ints:
+        owner = ctx.get_local("owner")
+        plain = owner.is_python_constant() and owner.as_python_constant() is None  # (not a bound method)
+        fn = getattr(_traced_variable(ctx, "func"), "fn", None)
+        if not (plain and _traces_with_buffers(fn, ctx.get_local("kind").as_python_constant(), ints)):
+            ints = ()
     values = []
-    for cell in _traced_variable(ctx, "cells").items:
+    for i, cell in enumerate(cells):
         sym = getattr(cell, "sym_num", None)
-        values.append(None if sym is None else repr(guard_scalar(sym)))
+        values.append(None if sym is None else _AT_RUN_TIME if i in ints else repr(guard_scalar(sym)))
     _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
+
+
+class _ValueUnknown(Exception):
+    pass
+
+
+class _RunTimeInt(torch.Tensor):
+    """A captured integer's stand-in while the function is traced for a kernel that reads it at run time: Python
+    may not look at its value (a branch, a size, an index), which the trace would otherwise bake in."""
+
+    def _refuse(self, *args, **kwargs):
+        raise _ValueUnknown("the function uses this integer's value in Python")
+
+    __bool__ = __index__ = __int__ = __float__ = item = tolist = _refuse
+
+
+def _with_buffers_for(func, cells: tuple[int, ...]):
+    """func with each of those closure cells holding a 0-dim int32 tensor (what the kernel reads at run time)."""
+    closure = list(func.__closure__)
+    for i in cells:
+        closure[i] = types.CellType(torch.zeros((), dtype=torch.int32).as_subclass(_RunTimeInt))
+    return types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(closure))
+
+
+def _traces_with_buffers(fn, kind: str, cells: tuple[int, ...]) -> bool:
+    """Whether the function traces with those integers as tensors the kernel reads: not where Python uses their
+    values, nor where it computes a tensor of its own from them (the trace would keep what it computed)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    swapped = _with_buffers_for(fn, cells)
+    try:
+        mod = _traced(swapped, kind)
+    except Exception:  # the tracer's refusals, _ValueUnknown, or Python's own on a tensor where an int belongs
+        return False
+    return mod is None or None not in buffer_paths(swapped, mod.buffer_tensors)
+
+
+def _run_time_cells(ident: tuple) -> tuple[int, ...]:
+    return tuple(i for i, entry in enumerate(ident) if entry == (_AT_RUN_TIME,))
+
+
+def _as_buffer(x, device):
+    """Traced by dynamo: a captured symbolic integer as the 0-dim int32 tensor the kernel reads."""
+    if isinstance(x, torch.Tensor):
+        return x
+    torch._check(-(2 ** 31) <= x)
+    torch._check(x < 2 ** 31)
+    return torch.full((), x, dtype=torch.int32, device=device)
 
 
 def _guard_ident(x) -> tuple:
@@ -364,7 +434,7 @@ def _guard_ident(x) -> tuple:
     return ("id", id(x))
 
 
-def _compiled_parts(fn, kind: str):
+def _compiled_parts(fn, kind: str, device):
     """Traced by dynamo."""
     from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
 
@@ -381,9 +451,10 @@ def _compiled_parts(fn, kind: str):
         cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
         comptime(_specialise_numbers)
         plain = _SPECIALISED[site]
-        ident = tuple(_guard_ident(x) if value is None else ("value", value) for x, value in zip(cells, plain))
+        ident = tuple(_guard_ident(x) if value is None else (value,) if value == _AT_RUN_TIME else ("value", value)
+                      for x, value in zip(cells, plain))
     token = _function_token(kind, func, owner, ident)
-    return token, tuple(_follow(fn, p) for p in _buffer_paths(kind, func, owner, ident))
+    return token, tuple(_as_buffer(_follow(fn, p), device) for p in _buffer_paths(kind, func, owner, ident))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch.nn as nn
 import flexgen
 from flexgen.cache import jit
 from test_gpu_backward import assert_grads_match, fresh_seed, lowp_grads, reference_grads
+from test_gpu_forward import lowp_attention
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -137,3 +138,36 @@ def test_torch_block_mask_compiled(isolated_kernel_cache):
     q, k, v, _ = _inputs()
     fn = torch.compile(lambda q, k, v, m: flexgen.flex_attention(q, k, v, block_mask=m), fullgraph=True)
     torch.testing.assert_close(fn(q, k, v, bm), flexgen.flex_attention(q, k, v, block_mask=bm), atol=0, rtol=0)
+
+
+def _offset_by(n):
+    return lambda s, b, h, q_idx, kv_idx: s + (q_idx - kv_idx) * n / 64
+
+
+@gpu
+def test_a_captured_integer_changing_between_calls_runs_one_graph(isolated_kernel_cache):
+    """Under dynamic=True an integer the score_mod captures is symbolic: the kernel reads it at run time (a 0-dim
+    int32 buffer), so every value runs one graph and one kernel, forward and backward each value's own."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("inductor")
+    attend = torch.compile(lambda q, k, v, score_mod: flexgen.flex_attention(q, k, v, score_mod=score_mod),
+                           backend=backend, dynamic=True)
+    scale = D ** -0.5
+    for n in (3, 5, 7):
+        q, k, v, do = _inputs()
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = attend(q, k, v, _offset_by(n))
+        out.backward(do)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        score = flexgen.score_mod(_offset_by(n))
+        ref = reference_grads(q, k, v, do, score, None, scale, False, [])
+        base = lowp_grads(q, k, v, do, score, None, scale, [])
+        assert_grads_match([q.grad, k.grad, v.grad], ref[:3], base[:3], ["dq", "dk", "dv"], f"offset {n}")
+        ref_out = flexgen.reference_attention(*(t.detach().double() for t in (q, k, v)), score_mod=score, scale=scale)
+        base_out, _ = lowp_attention(*(t.detach() for t in (q, k, v)), score, None, scale)
+        err, bar = ((x.double() - ref_out).norm().item() for x in (out.detach(), base_out))
+        assert err <= 2 * bar + 1e-5, (n, err, bar)
+    assert backend.frame_count == 1

@@ -320,9 +320,9 @@ def _alibi_reference(q, k, v, num_heads):
 
 
 def test_a_captured_number_under_dynamic_shapes_keeps_one_graph():
-    """PyTorch's dynamic-shape test of its ALiBi score_mod: a number in the function's closure, which dynamo makes
-    symbolic under dynamic=True, is specialised (guarded on), so three shapes run one graph; another number
-    recompiles and gives its own attention."""
+    """PyTorch's dynamic-shape test of its ALiBi score_mod: an integer in the function's closure, which dynamo makes
+    symbolic under dynamic=True, is read by the kernel at run time (a 0-dim buffer), so three shapes and another
+    number run one graph, each with its own attention."""
     import functools
 
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -330,7 +330,7 @@ def test_a_captured_number_under_dynamic_shapes_keeps_one_graph():
     torch._dynamo.reset()
     backend = CompileCounterWithBackend("aot_eager")
     # (sizes chosen so that no two of batch, heads and block counts are equal: duck sizing would tie them)
-    for num_heads, b, length, frames in ((8, 3, 1024, 1), (8, 6, 512, 1), (8, 6, 256, 1), (4, 6, 256, 2)):
+    for num_heads, b, length, frames in ((8, 3, 1024, 1), (8, 6, 512, 1), (8, 6, 256, 1), (4, 6, 256, 1)):
         q, k, v = (t.requires_grad_() for t in _inputs(torch.float32, b=b, h=5, lq=length, lkv=length, d=16))
         mask = flexgen.create_block_mask(flexgen.noop_mask, 1, 1, length, length, device="cpu")
         call = functools.partial(flexgen.flex_attention, score_mod=_alibi_over(num_heads), block_mask=mask)
@@ -338,6 +338,41 @@ def test_a_captured_number_under_dynamic_shapes_keeps_one_graph():
         want = _alibi_reference(q, k, v, num_heads)
         assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5, (num_heads, length)
         assert backend.frame_count == frames, (num_heads, length)
+
+
+def _offset_by(n):
+    return lambda score, b, h, q, kv: score + (q - kv) * n / 64
+
+
+def _offset_unless_small(n):
+    def offset(score, b, h, q, kv):
+        return score + (q - kv) / 64 if n > 4 else score  # (Python looks at n's value)
+    return offset
+
+
+def _scaled_offset(n):
+    return lambda score, b, h, q, kv: score + n * 0.5 * (q - kv) / 64  # (n * 0.5: a tensor computed from n)
+
+
+@pytest.mark.parametrize("make,frames", [(_offset_by, 1), (_offset_unless_small, 4), (_scaled_offset, 4)])
+def test_a_captured_integer_is_read_at_run_time_where_the_trace_allows(make, frames):
+    """Under dynamic=True a captured integer whose value changes between calls is symbolic: where the function
+    traces with it as a tensor the kernel reads, one graph serves every value; where Python looks at its value, or
+    a tensor is computed from it before the trace sees it, each value is specialised (its own graph). The
+    attention is each value's either way."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(flexgen.flex_attention, backend=backend, dynamic=True)
+    q, k, v = _inputs(torch.float32, b=2, h=2, lq=64, lkv=64, d=16)
+    rel = (torch.arange(64).view(-1, 1) - torch.arange(64).view(1, -1)).double() / 64
+    for n in (3, 5, 7, 9):
+        out = _quiet(compiled, q, k, v, score_mod=make(n))
+        scale = (n if make is _offset_by else 0.5 * n if make is _scaled_offset else float(n > 4))
+        want = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4 + rel * scale, -1) @ v.double()
+        assert not torch.isnan(out).any() and (out.double() - want).abs().max().item() < 1e-5, n
+    assert backend.frame_count == frames
 
 
 def _softcap_over(cap):
