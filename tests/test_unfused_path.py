@@ -429,3 +429,27 @@ def test_a_mask_for_other_lengths_is_refused_under_compile():
     compiled = torch.compile(flexgen.flex_attention, backend="aot_eager", dynamic=True, fullgraph=True)
     with pytest.raises(Exception, match="Q_LEN"):
         _quiet(compiled, q, k, v, block_mask=mask)
+
+
+def test_a_compiled_create_block_mask_reads_a_captured_window_at_run_time():
+    """create_block_mask under torch.compile(dynamic=True), its mask_mod capturing a window that changes between
+    calls: one graph, and each window's lists exact (as eager create_block_mask gives them)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def window(w):
+        return lambda b, h, q, kv: (q >= kv) & (q - kv < w)
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")
+    make = torch.compile(flexgen.create_block_mask, backend=backend, dynamic=True)
+    for w in (40, 70, 100, 130):
+        got = make(window(w), None, None, 256, 256, device="cpu", BLOCK_SIZE=32)
+        want = flexgen.create_block_mask(window(w), None, None, 256, 256, device="cpu", BLOCK_SIZE=32)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            a, b = getattr(got, name), getattr(want, name)
+            counts = got.kv_num_blocks if name.startswith("kv") else got.full_kv_num_blocks
+            if name.endswith("indices"):  # (only the listed slots of each row are defined)
+                listed = torch.arange(a.shape[-1]) < counts.unsqueeze(-1)
+                a, b = a[listed], b[listed]
+            assert torch.equal(a, b), (w, name)
+    assert backend.frame_count == 1
