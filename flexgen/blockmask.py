@@ -58,17 +58,26 @@ def _pair(block_size) -> tuple[int, int]:
     return int(q), int(kv)
 
 
+def _partition(keep: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the last dim: how many `keep` holds, and `values` with the kept ones first, both parts in order."""
+    # A stable partition by prefix sums: linear, where a sort of each row costs n log n (80 ms for causal at 128k
+    # tokens on a CPU); traceable, and no host sync.
+    counts = keep.sum(-1, dtype=torch.int32)
+    kept = keep.to(torch.int32)
+    slot = torch.where(keep, kept.cumsum(-1) - 1, counts.unsqueeze(-1) + (1 - kept).cumsum(-1) - 1)
+    order = torch.empty(keep.shape, dtype=values.dtype, device=values.device)
+    order.scatter_(-1, slot.long(), values.expand(keep.shape))
+    return counts, order
+
+
 def dense_to_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., rows, cols) bool -> per-row counts and the column indices, present ones first."""
-    counts = blocks.sum(-1, dtype=torch.int32)
-    # A stable partition (present columns in order, then the absent ones), by prefix sums: linear,
-    # where a sort of each row costs n log n (80 ms for causal at 128k tokens on a CPU).
-    present = blocks.to(torch.int32)
-    slot = torch.where(blocks, present.cumsum(-1) - 1, counts.unsqueeze(-1) + (1 - present).cumsum(-1) - 1)
-    columns = torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device).expand(blocks.shape)
-    order = torch.empty(blocks.shape, dtype=torch.int32, device=blocks.device)
-    order.scatter_(-1, slot.long(), columns)
-    return counts, order
+    return _partition(blocks, torch.arange(blocks.shape[-1], dtype=torch.int32, device=blocks.device))
+
+
+def lists_inside(counts: torch.Tensor, indices: torch.Tensor, n_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists without the blocks outside [0, n_kv_blocks), the rest in order."""
+    return _partition(_listed(counts, indices) & (indices >= 0) & (indices < n_kv_blocks), indices)
 
 
 def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -98,8 +107,7 @@ def _kv_blocks(bm) -> int:
 
 def _lists_blocks_outside(bm, n_kv: int) -> bool:
     """Whether a PyTorch mask's kv lists name a block outside the sequence's `n_kv` KV blocks. Not under
-    torch.compile, whose tensors hold no values while it traces (there the lists are taken as they are, as PyTorch
-    takes them)."""
+    torch.compile, whose tensors hold no values while it traces (from_torch drops such blocks in the graph there)."""
     if torch.compiler.is_compiling():
         return False
     outside = listed_outside(bm.kv_num_blocks, bm.kv_indices, n_kv).any()
@@ -226,12 +234,20 @@ class BlockMask:
         n_kv = _kv_blocks(bm)
         if _lists_blocks_outside(bm, n_kv):
             return cls._from_blocks_inside(bm, n_kv)
+        kv_num, kv_idx, fkv_num, fkv_idx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+        if torch.compiler.is_compiling():
+            # The lists hold no values while torch.compile traces, so the graph drops blocks outside the sequence
+            # itself (a few fused element-wise ops and a scan). The q lists need no such step: PyTorch builds them
+            # by scattering into a spare column, which leaves such blocks out.
+            kv_num, kv_idx = lists_inside(kv_num, kv_idx, n_kv)
+            if fkv_num is not None:
+                fkv_num, fkv_idx = lists_inside(fkv_num, fkv_idx, n_kv)
         q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
         if q_num is None:
-            made = cls.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
+            made = cls.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
             q_num, q_idx, fq_num, fq_idx = made.q_num_blocks, made.q_indices, made.full_q_num_blocks, made.full_q_indices
         return cls(
-            tuple(bm.seq_lengths), bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+            tuple(bm.seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx,
             q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
         )
 

@@ -169,6 +169,29 @@ def test_torch_lists_naming_blocks_outside_the_sequence_are_left_out():
     assert not torch.isnan(got).any() and torch.equal(got, want)
 
 
+def test_traced_adoption_of_torch_lists_leaves_out_blocks_outside_the_sequence():
+    """Under torch.compile the lists hold no values while the graph is traced, so the graph itself leaves out
+    the blocks outside [0, n_kv): the adopted lists equal those of the mask without them, blocks in order."""
+    g = torch.Generator().manual_seed(8)
+    counts, indices, dense = random_lists(g, 2, 1, 4, 5)
+    dense[..., -1] = False
+    counts, indices = (t.clone() for t in listed_first(dense))
+    rows = counts.long().unsqueeze(-1)
+    indices.scatter_(-1, rows, torch.where(torch.rand(rows.shape, generator=g) < 0.5, -1, 5).int())
+    theirs = fa.BlockMask.from_kv_blocks(counts + 1, indices, BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
+
+    def adopt(bm):
+        ours = BlockMask.from_torch(bm)
+        return ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks, ours.full_kv_indices
+
+    torch._dynamo.reset()
+    kv_num, kv_idx, full_num, full_idx = torch.compile(adopt, backend="eager", fullgraph=True)(theirs)
+    want_num, want_idx = listed_first(dense)
+    assert torch.equal(kv_num, want_num)
+    listed = torch.arange(kv_idx.shape[-1]) < want_num.unsqueeze(-1)
+    assert torch.equal(torch.where(listed, kv_idx, -7), torch.where(listed, want_idx, -7))
+
+
 # ---------------------------------------------------------------- block_sparse_mask refuses bad input
 
 

@@ -14,7 +14,7 @@ import torch
 import flexgen
 from flexgen.blockmask import dense_to_lists
 from test_gpu_backward import assert_grads_match, flexgen_grads, lowp_grads, reference_grads
-from test_gpu_forward import assert_matches, fresh_seed, run_flexgen
+from test_gpu_forward import assert_matches, fresh_seed, lowp_attention, poison, reference, run_flexgen
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -165,3 +165,31 @@ def test_pytorch_lists_naming_blocks_outside_the_sequence_leave_them_out(D):
     ref = reference_grads(q, k, v, do, None, same, scale, False, ())
     base = lowp_grads(q, k, v, do, None, same, scale, ())
     assert_grads_match(got, ref, base, ["dq", "dk", "dv"], f"lists naming blocks outside D={D} (seed {seed})")
+
+
+@gpu
+def test_compiled_calls_leave_out_blocks_listed_outside_the_sequence(isolated_kernel_cache):
+    """Under torch.compile the lists hold no values while the graph is traced: the graph itself must drop the
+    blocks outside [0, n_kv), forward and backward, or the kernels would read K and V at block -1."""
+    seed = fresh_seed()
+    D = 64
+    q, k, v, do = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    bm, states = _torch_lists_naming_blocks_outside(_random_states(128, 128), (128, 128), _causal)
+    same = _same_as_lists(states, (128, 128), _causal)
+    torch._dynamo.reset()
+    compiled = torch.compile(flexgen.flex_attention, fullgraph=True)
+    q1, k1, v1 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    poison(((B, H, L, D), q.dtype), ((B, H, L), torch.float32))
+    out = compiled(q1, k1, v1, block_mask=bm)
+    out.backward(do)
+    torch.cuda.synchronize()
+    ref_out, _ = reference(q, k, v, None, same, 1.0 / math.sqrt(D), False)
+    base_out, _ = lowp_attention(q, k, v, None, same, 1.0 / math.sqrt(D))
+    assert not torch.isnan(out).any()
+    err, bar = (out.double() - ref_out).norm().item(), 2 * (base_out.double() - ref_out).norm().item() + 1e-6
+    assert err <= bar, f"compiled forward over lists naming blocks outside: {err} > {bar} (seed {seed})"
+    scale = 1.0 / math.sqrt(D)
+    ref = reference_grads(q, k, v, do, None, same, scale, False, ())
+    base = lowp_grads(q, k, v, do, None, same, scale, ())
+    assert_grads_match([q1.grad, k1.grad, v1.grad], ref, base, ["dq", "dk", "dv"],
+                       f"compiled, lists naming blocks outside (seed {seed})")
