@@ -59,19 +59,29 @@ def check_dropout(dropout_p, philox) -> tuple[float, tuple[int, int] | None]:
 
 
 def dropout_threshold(p: float) -> int:
-    """uint32 threshold: an element is kept iff its Philox word >= threshold, probability 1 - p."""
-    return min(int(round(p * 2.0**32)), _MASK32)
+    """The kernels' threshold: an element is kept iff its 16-bit Philox half >= threshold (common/philox.cuh),
+    probability 1 - threshold / 2^16; at most 2^16 - 1, so that some elements survive any p < 1."""
+    return min(int(round(p * 2.0**16)), 2**16 - 1)
+
+
+def dropout_scale(p: float) -> float:
+    """What kept elements are multiplied by: the inverse of their exact keep probability, so that dropout leaves
+    the expectation unchanged (p itself is honoured to 2^-17)."""
+    return 2.0**16 / (2.0**16 - dropout_threshold(p))
 
 
 def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Q_LEN: int, KV_LEN: int, p: float,
                       device=None) -> torch.Tensor:
     """(B, H, Q_LEN, KV_LEN) bool: True where the kernels keep the element (H = query heads)."""
-    q2, kv2 = (Q_LEN + 1) // 2, (KV_LEN + 1) // 2
-    rows = torch.arange(B * H * q2, device=device, dtype=torch.int64).view(-1, 1)
+    quads, kv2 = (Q_LEN + 15) // 16 * 4, (KV_LEN + 1) // 2
+    rows = torch.arange(B * H * quads, device=device, dtype=torch.int64).view(-1, 1)
     cols = torch.arange(kv2, device=device, dtype=torch.int64).view(1, -1)
     zero = torch.zeros((), device=device, dtype=torch.int64)
     counter = torch.stack(torch.broadcast_tensors(cols, rows & _MASK32, zero + (offset & _MASK32), zero + (offset >> 32)), -1)
     key = torch.tensor([seed & _MASK32, seed >> 32], device=device, dtype=torch.int64)
-    words = philox4x32(counter, key)  # (B * H * q2, kv2, 4): word 2 * (q & 1) + (kv & 1)
-    words = words.view(B * H, q2, kv2, 2, 2).permute(0, 1, 3, 2, 4).reshape(B, H, 2 * q2, 2 * kv2)
-    return words[:, :, :Q_LEN, :KV_LEN] >= dropout_threshold(p)
+    words = philox4x32(counter, key).view(B * H, quads, kv2, 4)
+    q = torch.arange(Q_LEN, device=device)
+    quad, word = (q >> 4) * 4 + ((q >> 1) & 3), 2 * (q & 1) + ((q >> 3) & 1)
+    words = words[:, quad].gather(-1, word.view(1, -1, 1, 1).expand(B * H, Q_LEN, kv2, 1)).squeeze(-1)
+    halves = torch.stack((words & 0xFFFF, words >> 16), -1).view(B, H, Q_LEN, 2 * kv2)  # kv even, kv odd
+    return halves[..., :KV_LEN] >= dropout_threshold(p)

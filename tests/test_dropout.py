@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flexgen.codegen.api import emit
-from flexgen.dropout import check_dropout, dropout_keep_mask, dropout_threshold, philox4x32
+from flexgen.dropout import check_dropout, dropout_keep_mask, dropout_scale, dropout_threshold, philox4x32
 
 HEADER_DIR = Path(__file__).resolve().parents[1] / "flexgen" / "templates" / "common"
 
@@ -53,10 +53,11 @@ def test_philox_vectorised_matches_python_ints():
 
 
 def test_threshold_and_argument_checks():
-    assert dropout_threshold(0.0) == 0
-    assert dropout_threshold(0.5) == 2**31
-    assert dropout_threshold(0.25) == 2**30
-    assert dropout_threshold(1 - 2**-40) == 2**32 - 1  # clamped below 2^32
+    assert dropout_threshold(0.0) == 0 and dropout_scale(0.0) == 1.0
+    assert dropout_threshold(0.5) == 2**15 and dropout_scale(0.5) == 2.0
+    assert dropout_threshold(0.25) == 2**14
+    assert dropout_threshold(0.1) == 6554 and dropout_scale(0.1) == 2**16 / (2**16 - 6554)  # 1 / the keep probability
+    assert dropout_threshold(1 - 2**-40) == 2**16 - 1  # some elements survive any p < 1
     assert check_dropout(0.0, None) == (0.0, None)
     assert check_dropout(0, (1, 2)) == (0.0, None)
     assert check_dropout(0.1, (3, 2**64 - 1)) == (0.1, (3, 2**64 - 1))
@@ -75,14 +76,15 @@ def test_threshold_and_argument_checks():
 
 def _keep_elementwise(seed, offset, p, b, h, q, kv, H, Q):
     """The definition in philox.cuh, element by element on Python ints."""
-    row_pair = ((b * H + h) * ((Q + 1) // 2) + q // 2) & 0xFFFFFFFF
-    w = _philox_python([kv // 2, row_pair, offset & 0xFFFFFFFF, offset >> 32], [seed & 0xFFFFFFFF, seed >> 32])
-    return w[2 * (q & 1) + (kv & 1)] >= dropout_threshold(p)
+    quad = ((b * H + h) * ((Q + 15) // 16 * 4) + (q // 16) * 4 + (q // 2) % 4) & 0xFFFFFFFF
+    w = _philox_python([kv // 2, quad, offset & 0xFFFFFFFF, offset >> 32], [seed & 0xFFFFFFFF, seed >> 32])
+    word = w[2 * (q % 2) + (q // 8) % 2]
+    return (word >> 16 if kv % 2 else word & 0xFFFF) >= dropout_threshold(p)
 
 
 def test_keep_mask_layout():
     seed, offset, p = 0x0123456789ABCDEF, 0xFEDCBA9876543210, 0.3
-    B, H, Q, KV = 2, 3, 7, 5
+    B, H, Q, KV = 2, 3, 37, 5  # (rows past 8 and 16: the second half and the next block of the quads)
     mask = dropout_keep_mask(seed, offset, B, H, Q, KV, p)
     assert mask.shape == (B, H, Q, KV) and mask.dtype == torch.bool
     for b in range(B):

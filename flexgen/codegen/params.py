@@ -104,12 +104,12 @@ def _lines(entries: tuple[Entry, ...]) -> tuple[Line, ...]:
 
 # Only in kernels built with spec.dropout, just before ModArgs (forward and backward alike).
 DROPOUT: tuple[Entry, ...] = (
-    "Dropout (common/philox.cuh): keep an element iff its Philox word >= dropout_threshold; the",
+    "Dropout (common/philox.cuh): keep an element iff its 16-bit Philox half >= dropout_threshold; the",
     "backward draws the same words again.",
     _line("unsigned long long", "philox_seed", "philox_offset"),
     _line("float", "dropout_p"),
-    _line("unsigned", "dropout_threshold", comment="round(dropout_p * 2^32)"),
-    _line("float", "dropout_scale", comment="1 / (1 - dropout_p)"),
+    _line("unsigned", "dropout_threshold", comment="round(dropout_p * 2^16)"),
+    _line("float", "dropout_scale", comment="2^16 / (2^16 - dropout_threshold)"),
 )
 
 # Only in forward kernels built to write max_scores (spec option "max_scores"), after any dropout members.

@@ -15,7 +15,7 @@ from ..codegen.cstruct import pack_mod_args
 from ..codegen.lower import lower_mods
 from ..codegen.params import FWD_PARAMS
 from ..codegen.spec import KernelSpec
-from ..dropout import check_dropout, dropout_threshold
+from ..dropout import check_dropout, dropout_scale, dropout_threshold
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
@@ -76,7 +76,7 @@ def forward_params(spec: KernelSpec, mod_args, q, k, v, out_strides: tuple[int, 
 def set_dropout_rate(p, dropout_p: float) -> None:
     """The dropout members of a FwdParams / BwdParams instance but the Philox seed and offset (dropout_p > 0,
     validated), which change per call."""
-    p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+    p.dropout_p, p.dropout_threshold, p.dropout_scale = dropout_p, dropout_threshold(dropout_p), dropout_scale(dropout_p)
 
 
 class ForwardLaunch:
