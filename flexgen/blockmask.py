@@ -106,10 +106,8 @@ def _kv_blocks(bm) -> int:
 
 
 def _lists_blocks_outside(bm, n_kv: int) -> bool:
-    """Whether a PyTorch mask's kv lists name a block outside the sequence's `n_kv` KV blocks. Not under
-    torch.compile, whose tensors hold no values while it traces (from_torch drops such blocks in the graph there)."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether a PyTorch mask's kv lists name a block outside the sequence's `n_kv` KV blocks (eager only: traced
+    tensors hold no values)."""
     outside = listed_outside(bm.kv_num_blocks, bm.kv_indices, n_kv).any()
     if bm.full_kv_num_blocks is not None:
         outside |= listed_outside(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv).any()
@@ -232,8 +230,6 @@ class BlockMask:
         if isinstance(bm, BlockMask):
             return bm
         n_kv = _kv_blocks(bm)
-        if _lists_blocks_outside(bm, n_kv):
-            return cls._from_blocks_inside(bm, n_kv)
         kv_num, kv_idx, fkv_num, fkv_idx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
         if torch.compiler.is_compiling():
             # The lists hold no values while torch.compile traces, so the graph drops blocks outside the sequence
@@ -242,6 +238,8 @@ class BlockMask:
             kv_num, kv_idx = lists_inside(kv_num, kv_idx, n_kv)
             if fkv_num is not None:
                 fkv_num, fkv_idx = lists_inside(fkv_num, fkv_idx, n_kv)
+        elif _lists_blocks_outside(bm, n_kv):
+            return cls._from_blocks_inside(bm, n_kv)
         q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
         if q_num is None:
             made = cls.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
