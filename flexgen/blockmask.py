@@ -18,6 +18,7 @@ import torch
 
 from . import blockmask_validate as check
 from .dsl.mod import Mod
+from .blockmask_cache import cached_per_mask, capturing
 
 DEFAULT_BLOCK_SIZE = 128
 # PyTorch's "empty" block mask (its _create_empty_block_mask) is one block this large with lengths (1, 1): it
@@ -85,11 +86,6 @@ def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.arange(indices.shape[-1], device=indices.device) < counts.unsqueeze(-1)
 
 
-def listed_outside(counts: torch.Tensor, indices: torch.Tensor, n_kv_blocks: int) -> torch.Tensor:
-    """Which slots of each row (within the row's count) name a block outside [0, n_kv_blocks)."""
-    return _listed(counts, indices) & ((indices < 0) | (indices >= n_kv_blocks))
-
-
 def lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> torch.Tensor:
     """(..., rows, cols) bools from per-row counts and block numbers; block numbers outside [0, cols) name no
     column and are left out."""
@@ -101,17 +97,23 @@ def lists_to_dense(counts: torch.Tensor, indices: torch.Tensor, cols: int) -> to
     return dense[..., :cols]
 
 
+def _torch_lists_inside(kv_num, kv_idx, fkv_num, fkv_idx, n_kv: int) -> tuple:
+    """A PyTorch mask's kv lists without blocks outside [0, n_kv) (lists_inside); eager, the same tensors for the
+    same lists (blockmask_cache.py), so that what is derived from them and cached per count tensor (the
+    adoption, the work orders) is made once per mask, not once per call."""
+    def make():
+        inside = lists_inside(kv_num, kv_idx, n_kv)
+        return (*inside, *(lists_inside(fkv_num, fkv_idx, n_kv) if fkv_num is not None else (None, None)))
+
+    if torch.compiler.is_compiling() or capturing(kv_num):  # (traced tensors; a captured graph keeps addresses)
+        return make()
+    also = (kv_idx,) if fkv_num is None else (kv_idx, fkv_idx)
+    key = ("inside", id(kv_num), id(kv_idx), id(fkv_num), id(fkv_idx), n_kv)
+    return cached_per_mask(key, kv_num, fkv_num, make, also)
+
+
 def _kv_blocks(bm) -> int:
     return -(-int(bm.seq_lengths[1]) // _pair(bm.BLOCK_SIZE)[1])
-
-
-def _lists_blocks_outside(bm, n_kv: int) -> bool:
-    """Whether a PyTorch mask's kv lists name a block outside the sequence's `n_kv` KV blocks (eager only: traced
-    tensors hold no values)."""
-    outside = listed_outside(bm.kv_num_blocks, bm.kv_indices, n_kv).any()
-    if bm.full_kv_num_blocks is not None:
-        outside |= listed_outside(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv).any()
-    return bool(outside)
 
 
 @dataclass
@@ -231,15 +233,13 @@ class BlockMask:
             return bm
         n_kv = _kv_blocks(bm)
         kv_num, kv_idx, fkv_num, fkv_idx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
-        if torch.compiler.is_compiling():
-            # The lists hold no values while torch.compile traces, so the graph drops blocks outside the sequence
-            # itself (a few fused element-wise ops and a scan). The q lists need no such step: PyTorch builds them
-            # by scattering into a spare column, which leaves such blocks out.
-            kv_num, kv_idx = lists_inside(kv_num, kv_idx, n_kv)
-            if fkv_num is not None:
-                fkv_num, fkv_idx = lists_inside(fkv_num, fkv_idx, n_kv)
-        elif _lists_blocks_outside(bm, n_kv):
-            return cls._from_blocks_inside(bm, n_kv)
+        # PyTorch's PagedAttention lists page -1 for the logical blocks it has reserved no pages for (its mask_mod
+        # masks them), and a hand-made mask may list blocks past KV_LEN: they hold no keys, and the kernels would
+        # read K and V there. Dropped on the device (a few fused element-wise ops and a scan), so that neither an
+        # eager call waits for the GPU to find out whether there are any, nor a traced one, whose lists hold no
+        # values. The q lists need no such step: PyTorch builds them by scattering into a spare column, which
+        # leaves such blocks out.
+        kv_num, kv_idx, fkv_num, fkv_idx = _torch_lists_inside(kv_num, kv_idx, fkv_num, fkv_idx, n_kv)
         q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
         if q_num is None:
             made = cls.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
@@ -248,24 +248,6 @@ class BlockMask:
             tuple(bm.seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx,
             q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
         )
-
-    @classmethod
-    def _from_blocks_inside(cls, bm, n_kv: int) -> "BlockMask":
-        """A PyTorch mask whose lists name blocks outside the sequence, rebuilt from the blocks inside it: those
-        hold no keys. PyTorch's PagedAttention lists page -1 for the logical blocks of a batch it has reserved no
-        pages for, and its mask_mod masks them; the kernels would read K and V there."""
-        from .warnings_once import warn_once_key
-
-        warn_once_key("block_mask_lists_outside",
-                      f"flex_attention: the block mask lists KV blocks outside [0, {n_kv}) (the KV blocks "
-                      f"of KV_LEN {bm.seq_lengths[1]}), such as the page -1 of PyTorch's PagedAttention for pages not "
-                      f"reserved; they hold no keys and are left out", stacklevel=4)
-        partial = lists_to_dense(bm.kv_num_blocks, bm.kv_indices, n_kv)
-        full = torch.zeros_like(partial)
-        if bm.full_kv_num_blocks is not None:
-            full = lists_to_dense(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv)
-        partial, full = torch.broadcast_tensors(partial, full)
-        return cls.from_dense_blocks(full, partial & ~full, bm.BLOCK_SIZE, tuple(bm.seq_lengths), bm.mask_mod)
 
     # ------------------------------------------------------------ pytree
     @classmethod
@@ -468,15 +450,47 @@ class BlockMask:
 # ---------------------------------------------------------------- classification
 
 
+# The static analyses below depend on the mask's expression, its scalars and the shapes, not on what its buffers
+# hold: a mask rebuilt at every training step over fresh document ids (the same function, a new tensor) is analysed
+# once. Both answers are read, never written, by their callers.
+_ANALYSED: dict[tuple, Any] = {}
+_MAX_ANALYSED = 128
+
+
+def _analysed(key: tuple, analyse):
+    hit = _ANALYSED.get(key)
+    if hit is None:
+        if len(_ANALYSED) >= _MAX_ANALYSED:
+            _ANALYSED.clear()
+        hit = _ANALYSED[key] = analyse()
+    return hit
+
+
 def _classify(mod: Mod, q_len, kv_len, bq, bkv, b_range, h_range) -> tuple[torch.Tensor, torch.Tensor]:
     """(full, partial) over (nQ, nKV) by static analysis; undecided tiles come back partial."""
     from .dsl.mask_analysis import classify_blocks
 
-    full, partial = classify_blocks(mod.expr, q_len, kv_len, bq, bkv, params=dict(mod.params), b_range=b_range, h_range=h_range)
-    return full.cpu(), partial.cpu()
+    def analyse():
+        full, partial = classify_blocks(mod.expr, q_len, kv_len, bq, bkv, params=dict(mod.params), b_range=b_range,
+                                        h_range=h_range)
+        return full.cpu(), partial.cpu()
+
+    key = ("classify", mod.expr.digest, tuple(sorted(mod.params.items())), q_len, kv_len, bq, bkv, b_range, h_range)
+    return _analysed(key, analyse)
 
 
-def _mixed_at_corners(mod: Mod, tiles: torch.Tensor, q_len, kv_len, bq, bkv) -> torch.Tensor:
+def _reads_in_range(mod: Mod, q_len, kv_len, b_range, h_range) -> bool:
+    """mask_analysis.buffer_reads_in_range of the mask over its buffers' shapes."""
+    from .dsl.mask_analysis import buffer_reads_in_range
+
+    shapes = {n: tuple(t.shape) for n, t in mod.buffers.items()}
+    key = ("in range", mod.expr.digest, tuple(sorted(mod.params.items())), tuple(sorted(shapes.items())), q_len,
+           kv_len, b_range, h_range)
+    return _analysed(key, lambda: buffer_reads_in_range(mod.expr, shapes, q_len, kv_len, b_range, h_range,
+                                                        dict(mod.params)))
+
+
+def _mixed_at_corners(mod: Mod, tiles: torch.Tensor, q_len, kv_len, bq, bkv, in_range: bool) -> torch.Tensor:
     """Tiles whose four corner elements already disagree (the diagonal tiles of a causal mask):
     they are partial, whatever the rest holds, and need no full evaluation."""
     t = tiles.int()
@@ -484,15 +498,21 @@ def _mixed_at_corners(mod: Mod, tiles: torch.Tensor, q_len, kv_len, bq, bkv) -> 
     q_lo, kv_lo = t[:, 2] * bq, t[:, 3] * bkv
     q = torch.stack([q_lo, torch.clamp(q_lo + bq, max=q_len) - 1], 1)[:, :, None]
     kv = torch.stack([kv_lo, torch.clamp(kv_lo + bkv, max=kv_len) - 1], 1)[:, None, :]
-    values = mod.evaluate(float_dtype=torch.float32, b=b, h=h, q_idx=q, kv_idx=kv).expand(len(t), 2, 2).flatten(1)
+    values = mod.evaluate(float_dtype=torch.float32, check_ranges=not in_range, b=b, h=h, q_idx=q,
+                          kv_idx=kv).expand(len(t), 2, 2).flatten(1)
     return values.any(1) & ~values.all(1)
 
 
 def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluate mask_mod on the undecided tiles of every (b, h) at once, a chunk of tiles at a
-    time: which are in fact full or empty. `partial` is (nb, nh, nQ, nKV)."""
-    tiles = partial.nonzero().to(device)  # rows (b, h, q block, kv block)
-    tiles = tiles[~_mixed_at_corners(mod, tiles, q_len, kv_len, bq, bkv)]  # proven partial: nothing to evaluate
+    """Evaluate mask_mod on the undecided tiles of every (b, h) at once, a chunk of tiles at a time: which are in
+    fact full or empty. `partial` is the (nb, nh, nQ, nKV) host tensor of undecided tiles; returns (full, still
+    partial) on `device`. On a GPU nothing here waits for it where the mask's buffer reads are proven in range
+    (no value is read back): a training step that builds a fresh mask keeps the GPU's queue full."""
+    tiles = partial.nonzero()  # rows (b, h, q block, kv block), on the host
+    in_range = _reads_in_range(mod, q_len, kv_len, (0, partial.shape[0]), (0, partial.shape[1]))
+    if device.type == "cpu":  # (on a GPU the compaction would read a count back; the mixed tiles are evaluated)
+        tiles = tiles[~_mixed_at_corners(mod, tiles, q_len, kv_len, bq, bkv, in_range)]
+    tiles = _to_device(tiles, device)
     is_full = torch.zeros(len(tiles), dtype=torch.bool, device=device)
     is_empty = torch.zeros(len(tiles), dtype=torch.bool, device=device)
     per_chunk = max(1, _EVAL_CHUNK_ELEMENTS // (bq * bkv))
@@ -504,21 +524,31 @@ def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> 
         q = (chunk[:, 2, None] * bq + qr)[:, :, None]
         kv = (chunk[:, 3, None] * bkv + kr)[:, None, :]
         valid = (q < q_len) & (kv < kv_len)
-        values = mod.evaluate(float_dtype=torch.float32, b=b, h=h, q_idx=q.clamp(max=q_len - 1), kv_idx=kv.clamp(max=kv_len - 1))
+        values = mod.evaluate(float_dtype=torch.float32, check_ranges=not in_range, b=b, h=h,
+                              q_idx=q.clamp(max=q_len - 1), kv_idx=kv.clamp(max=kv_len - 1))
         values = values.expand(valid.shape)
         is_full[start : start + len(chunk)] = (values | ~valid).flatten(1).all(1)
         is_empty[start : start + len(chunk)] = ~(values & valid).flatten(1).any(1)
-    full = torch.zeros_like(partial)
-    still = partial.clone()
-    idx = tiles.cpu().unbind(1)
-    full[idx] = is_full.cpu()
-    still[idx] = ~(is_full | is_empty).cpu()
+    full = torch.zeros(partial.shape, dtype=torch.bool, device=device)
+    still = _to_device(partial, device).clone()
+    idx = tiles.unbind(1)
+    full[idx] = is_full
+    still[idx] = ~(is_full | is_empty)
     return full, still
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without waiting (the copy is ordered on the
+    stream before the kernels that read it, and the pinned block is kept until it is done)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: int, bkv: int, device) -> BlockMask:
     """The block mask of a traced mask (None: no element mask), of batch and head size 1 where the mask does not
     read b or h (reads_batch_heads), else B and H."""
+    device = torch.device(device)
     n_q, n_kv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
     if mod is None:
         full = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool)
@@ -540,8 +570,9 @@ def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: 
                 full[b, h], partial[b, h] = shared or _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
         if partial.any():
             refined_full, partial = _refine(mod, partial, Q_LEN, KV_LEN, bq, bkv, device)
-            full |= refined_full
-    return BlockMask.from_dense_blocks(full.to(device), partial.to(device), (bq, bkv), (Q_LEN, KV_LEN),
+            return BlockMask.from_dense_blocks(_to_device(full, device) | refined_full, partial, (bq, bkv),
+                                               (Q_LEN, KV_LEN), mod).derived_from_mask_mod()
+    return BlockMask.from_dense_blocks(_to_device(full, device), _to_device(partial, device), (bq, bkv), (Q_LEN, KV_LEN),
                                        mod).derived_from_mask_mod()
 
 

@@ -5,7 +5,7 @@ partial (runtime/coarse_rows.py), only where every block the lists leave out is 
 full block one it shows whole. flexgen's create_block_mask marks its masks so (BlockMask.blocks_follow_mask_mod).
 PyTorch's create_block_mask computes its lists from the mask_mod as well, but its masks carry no such mark: here
 flexgen classifies the blocks itself (blockmask.block_mask_of) and adopts the mask when the lists agree. Eager calls
-only (a compiled graph's tensors are symbolic), once per mask (runtime/mask_cache.py), for mask_mods without buffers.
+only (a compiled graph's tensors are symbolic), once per mask (blockmask_cache.py), for mask_mods without buffers.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from .blockmask import BlockMask, block_mask_of, reads_batch_heads
 from .dsl.mod import Mod, mod_for_token
-from .runtime.mask_cache import cached_per_mask, capturing
+from .blockmask_cache import cached_per_mask, capturing
 
 log = logging.getLogger(__name__)
 

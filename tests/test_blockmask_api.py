@@ -144,10 +144,8 @@ def test_from_kv_blocks_accepts_what_torch_builds():
 
 def test_torch_lists_naming_blocks_outside_the_sequence_are_left_out():
     """PyTorch's PagedAttention lists page -1 for pages it has not reserved (its mask_mod masks them): such
-    blocks, and blocks past KV_LEN, hold no keys. Adopting the mask leaves them out, with a warning; attention
-    over it equals attention over the mask without them."""
-    from flexgen.warnings_once import _WARNINGS_SHOWN
-
+    blocks, and blocks past KV_LEN, hold no keys. Adopting the mask leaves them out (on the device, without
+    reading the lists back); attention over it equals attention over the mask without them."""
     g = torch.Generator().manual_seed(5)
     counts, indices, dense = random_lists(g, 1, 2, 4, 5)
     dense[..., -1] = False  # a free slot in every row for the extra entry
@@ -155,9 +153,11 @@ def test_torch_lists_naming_blocks_outside_the_sequence_are_left_out():
     rows = counts.long().unsqueeze(-1)
     indices.scatter_(-1, rows, torch.where(torch.rand(rows.shape, generator=g) < 0.5, -1, 5).int())
     theirs = fa.BlockMask.from_kv_blocks(counts + 1, indices, BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
-    _WARNINGS_SHOWN.discard("block_mask_lists_outside")
-    with pytest.warns(UserWarning, match=r"lists KV blocks outside \[0, 5\)"):
-        ours = BlockMask.from_torch(theirs)
+    ours = BlockMask.from_torch(theirs)
+    want_num, want_idx = listed_first(dense)
+    listed = torch.arange(want_idx.shape[-1]) < want_num.unsqueeze(-1)
+    assert torch.equal(ours.kv_num_blocks, want_num)
+    assert torch.equal(torch.where(listed, ours.kv_indices, -7), torch.where(listed, want_idx, -7))  # blocks in order
     assert torch.equal(ours.to_dense().bool(), dense)
     assert torch.equal(ours.q_num_blocks, dense.transpose(-1, -2).sum(-1, dtype=torch.int32))
     clean = fa.BlockMask.from_kv_blocks(*listed_first(dense), BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
@@ -167,6 +167,24 @@ def test_torch_lists_naming_blocks_outside_the_sequence_are_left_out():
         got = flexgen.flex_attention(q, k, v, block_mask=theirs)
         want = flexgen.flex_attention(q, k, v, block_mask=clean)
     assert not torch.isnan(got).any() and torch.equal(got, want)
+
+
+def test_adopting_the_same_torch_lists_again_gives_the_same_tensors():
+    """What is derived from a mask's lists is cached per count tensor (the adoption, the work orders), so adopting
+    the same PyTorch lists must give the same tensors; lists changed in place, or other index tensors beside the same
+    counts, give their own."""
+    g = torch.Generator().manual_seed(9)
+    counts, indices, dense = random_lists(g, 1, 2, 4, 5)
+    theirs = fa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
+    first, second = BlockMask.from_torch(theirs), BlockMask.from_torch(theirs)
+    assert first.kv_num_blocks is second.kv_num_blocks and first.kv_indices is second.kv_indices
+    theirs.kv_indices[0, 0, 0, 0] = -1  # (in place: the first slot of the first row now names no block)
+    changed = BlockMask.from_torch(theirs)
+    assert changed.kv_indices is not first.kv_indices
+    assert int(changed.kv_num_blocks[0, 0, 0]) == int(counts[0, 0, 0]) - 1
+    other = fa.BlockMask.from_kv_blocks(counts, indices.clone(), BLOCK_SIZE=(32, 32), seq_lengths=(128, 160))
+    other.kv_num_blocks = theirs.kv_num_blocks  # the same counts beside another index tensor
+    assert BlockMask.from_torch(other).kv_indices is not changed.kv_indices
 
 
 def test_traced_adoption_of_torch_lists_leaves_out_blocks_outside_the_sequence():

@@ -144,3 +144,40 @@ def test_a_planned_call_in_a_cuda_graph():
             ref = flexgen.reference_attention(q.double(), k.double(), v.double(), mask_mod=flexgen.variants.causal)
             assert not torch.isnan(out).any(), f"seed {seed}"
             torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("builder", ["flexgen", "torch"])
+@pytest.mark.parametrize("name", ["document", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_step_with_a_fresh_mask_never_waits_for_the_gpu(builder, name, head_dim):
+    """Packed documents change at every training step: building the mask, the forward and the backward must queue
+    their work without reading anything back, or the GPU idles while the host catches up. Each step runs under
+    torch's sync debug mode set to raise; its forward is then checked against float64 (a second run over the same
+    mask, bitwise equal to the step's)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    if builder == "torch" and name == "causal":
+        pytest.skip("a PyTorch mask without buffers is compared with its mask_mod once per mask, on the host")
+    seed = fresh_seed()
+    B, H, L = 2, 4, 1000
+    build = flexgen.create_block_mask if builder == "flexgen" else torch_create_block_mask
+    for step in range(3):
+        ids = (torch.rand(L, device=DEV) < 5 / L).cumsum(0)  # (no index writes: those copy a host scalar)
+        mask = _document_mask(ids) if name == "document" else flexgen.variants.causal
+        q, k, v = leaves(*(torch.randn(B, H, L, head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3)))
+        w = torch.randn(B, H, L, head_dim, device=DEV, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        if step > 0:  # (the first step compiles the kernels)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            bm = build(mask, B, None, L, L, device=DEV)
+            out = flexgen.flex_attention(q, k, v, block_mask=bm)
+            (out * w).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        step_out = out.detach().clone()
+        check(q, k, v, None, mask, (1.0, 0.3, 0.05), block_mask=bm,
+              tag=f"fresh {name} mask by {builder}, D={head_dim}, step {step} (seed {seed})")
+        again = flexgen.flex_attention(q.detach(), k.detach(), v.detach(), block_mask=bm)
+        assert torch.equal(again, step_out), f"the step's forward differs from the checked one (seed {seed})"

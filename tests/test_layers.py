@@ -12,7 +12,7 @@ LAYERS = {
     # settings and target facts that every layer reads; the cache package module imports nothing
     "flexgen": 0, "flexgen.cache": 0, "flexgen.cache.paths": 0, "flexgen.arch": 0, "flexgen.dropout": 0,
     "flexgen.warnings_once": 0,
-    "flexgen.dsl": 1, "flexgen.blockmask": 1, "flexgen.blockmask_validate": 1,
+    "flexgen.dsl": 1, "flexgen.blockmask": 1, "flexgen.blockmask_validate": 1, "flexgen.blockmask_cache": 1,
     "flexgen.codegen": 2,
     "flexgen.cache.errors": 3, "flexgen.cache.jit": 3, "flexgen.cache.kernel": 3, "flexgen.cache.lock": 3,
     "flexgen.cache.ninja": 3, "flexgen.cache.nvcc": 3, "flexgen.cache.nvrtc": 3, "flexgen.cache.nvrtc_child": 3,

@@ -10,7 +10,7 @@ from flexgen.dsl.evaluate import evaluate
 from flexgen.dsl.ir import BufferSpec, DType
 from flexgen.dsl.mask_analysis import TileClass, classify_blocks, classify_tile
 
-from ir_strategies import affine_masks, bool_exprs, make_buffers, make_params
+from ir_strategies import affine_masks, bool_exprs, int_exprs, make_buffers, make_params
 
 q = ir.input_("q_idx")
 kv = ir.input_("kv_idx")
@@ -270,3 +270,72 @@ def test_random_block_grids_never_misclassified(expr, q_len, kv_len, bq, bkv, se
     one = classify_tile(expr, (i * bq, min((i + 1) * bq, q_len)), (j * bkv, min((j + 1) * bkv, kv_len)), h_range=(0, 1), params=params)
     grid = TileClass.FULL if full[i, j] else TileClass.PARTIAL if partial[i, j] else TileClass.EMPTY
     assert one is grid or one is not TileClass.PARTIAL or grid is not TileClass.PARTIAL
+
+
+# ---------------------------------------------------------------- buffer reads proven in range
+
+
+def _doc_read(index):
+    return ir.load(DOC, (index,))
+
+
+@pytest.mark.parametrize("index, size, proven", [
+    (q, 64, True),                                            # a document id per query position
+    (ir.binary("add", q, k(1)), 64, False),                   # one past the end on the last row
+    (ir.binary("sub", kv, k(64)), 64, True),                  # -64..-1: torch counts from the end
+    (ir.binary("sub", kv, k(65)), 64, False),
+    (ir.binary("floordiv", q, k(8)), 8, True),                # a page per 8 positions
+    (ir.binary("floordiv", q, k(8)), 7, False),
+    (_doc_read(q), 64, False),                                # an index read from a buffer: any value
+    (ir.binary("mod", ir.binary("mul", q, k(2**30)), k(64)), 64, False),  # int32 wraps: not proven
+])
+def test_buffer_reads_in_range(index, size, proven):
+    from flexgen.dsl.mask_analysis import buffer_reads_in_range
+
+    expr = ir.binary("eq", ir.load(DOC, (index,)), k(0))
+    assert buffer_reads_in_range(expr, {"doc": (size,)}, 64, 64, (0, 1), (0, 1)) is proven
+
+
+def test_buffer_reads_in_range_of_batch_and_head():
+    from flexgen.dsl.mask_analysis import buffer_reads_in_range
+
+    offsets = BufferSpec("offsets", "int32", 2)
+    expr = ir.binary("ge", q, ir.load(offsets, (ir.input_("b"), h)))
+    assert buffer_reads_in_range(expr, {"offsets": (3, 4)}, 16, 16, (0, 3), (0, 4))
+    assert not buffer_reads_in_range(expr, {"offsets": (3, 4)}, 16, 16, (0, 4), (0, 4))
+    assert not buffer_reads_in_range(expr, {"offsets": (3,)}, 16, 16, (0, 3), (0, 4))  # a dimension short
+    assert not buffer_reads_in_range(expr, {}, 16, 16, (0, 3), (0, 4))  # no shape known
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    index=st.deferred(lambda: RAW_INDICES),
+    size=st.integers(1, 40),
+    q_len=st.integers(1, 40),
+    kv_len=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_buffer_reads_proven_in_range_are(index, size, q_len, kv_len, seed):
+    """Where the analysis proves a read in range, evaluating the mask over the whole grid (with the check) never
+    finds one outside."""
+    from flexgen.dsl.mask_analysis import buffer_reads_in_range
+
+    params = make_params(seed)
+    expr = ir.binary("ne", ir.load(DOC, (index,)), k(-1))
+    if not buffer_reads_in_range(expr, {"doc": (size,)}, q_len, kv_len, (0, 1), (0, 2), params):
+        return
+    doc = torch.zeros(size, dtype=torch.int32)
+    try:
+        brute(expr, (0, q_len), (0, kv_len), (0, 1), (0, 2), params, {"doc": doc})
+    except RuntimeError:  # an integer division by zero somewhere in the grid
+        assume(False)
+
+
+
+RAW_INDICES = st.one_of(  # reads that may fall outside the buffer
+    st.builds(lambda c: ir.binary("add", q, k(c)), st.integers(-45, 45)),
+    st.builds(lambda c: ir.binary("sub", kv, k(c)), st.integers(-45, 45)),
+    st.builds(lambda a, b: ir.binary("floordiv", ir.binary("add", q, k(a)), k(b)), st.integers(-5, 5), st.integers(1, 9)),
+    st.builds(lambda c: ir.binary("sub", q, ir.binary("mul", h, k(c))), st.integers(-20, 20)),
+    int_exprs(max_depth=2, allow_loads=False),
+)

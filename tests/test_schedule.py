@@ -3,6 +3,8 @@ counts, cached per mask tensor, and how many (batch, head) pairs' tiles interlea
 each persistent CTA."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -182,3 +184,27 @@ def test_backward_turns_of_documents_and_their_cache():
     assert kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11) is turns
     bm.q_num_blocks.zero_()  # an in-place change invalidates the cached turns
     assert kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11) is not turns
+
+
+def test_a_tail_choice_keeps_the_bound_until_the_costs_have_arrived():
+    """On a GPU the costs come back by a copy that nothing waits for: until its event has completed the bound (the
+    wave rule) is the answer, then the model's, at every launch that fills its parameters."""
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = create_block_mask(causal, None, None, 8192, 8192, device="cpu")
+    choice = schedule.TailChoice(schedule._query_tile_costs(bm.kv_num_blocks, bm.full_kv_num_blocks, bm, 192),
+                                 32, 132, 3)
+    choice._ready = event = Event()
+    p = types.SimpleNamespace(head_chunk=0)
+    choice.fill(p)
+    assert p.head_chunk == 3 and choice.value() == 3
+    event.done = True
+    choice.fill(p)
+    assert p.head_chunk == 2 == chunk_by_tail(bm, 192, 32, 132, 3)  # (the shortest tail: the test above)

@@ -85,8 +85,11 @@ def evaluate(
     buffers: Mapping[str, torch.Tensor] | None = None,
     params: Mapping[str, bool | int | float] | None = None,
     float_dtype: torch.dtype = torch.float64,
+    check_ranges: bool = True,
 ) -> torch.Tensor:
-    """Value of `root` given tensors (or Python numbers) for the inputs it reads."""
+    """Value of `root` given tensors (or Python numbers) for the inputs it reads. `check_ranges=False` skips the
+    check that each buffer index is in range (it reads the indices' values, a wait for the GPU): only for indices
+    proven in range beforehand (mask_analysis.buffer_reads_in_range)."""
     buffers = buffers or {}
     params = params or {}
     device = None
@@ -108,7 +111,7 @@ def evaluate(
                 raise KeyError(f"evaluate(): no value bound for scalar parameter {n.attr!r}")
             v = torch.tensor(params[n.attr], device=device).to(dt)
         elif n.op == "load":
-            v = _load(n, buffers, [values[a.digest] for a in n.args], device).to(dt)
+            v = _load(n, buffers, [values[a.digest] for a in n.args], device, check_ranges).to(dt)
         else:
             args = [values[a.digest] for a in n.args]
             v = _apply(n, args, dt)
@@ -116,7 +119,7 @@ def evaluate(
     return values[root.digest]
 
 
-def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor], device) -> torch.Tensor:
+def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor], device, check_ranges: bool) -> torch.Tensor:
     spec = n.attr
     if spec.name not in buffers:
         raise KeyError(f"evaluate(): no tensor bound for buffer {spec.name!r}")
@@ -124,7 +127,7 @@ def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor],
     if device is not None and buf.device != device:
         buf = buf.to(device)
     idx = [i.long() for i in idx]
-    for dim, i in enumerate(idx):
+    for dim, i in enumerate(idx if check_ranges else ()):
         size = buf.shape[dim]
         # Negative indices down to -size count from the end, as torch's indexing (and so PyTorch's eager
         # FlexAttention) reads them: a paged score_mod reads at -page_size.. where a page is unmapped and

@@ -131,6 +131,41 @@ def classify_blocks(
     return full.contiguous(), partial.contiguous()
 
 
+def buffer_reads_in_range(
+    expr: Node,
+    shapes: Mapping[str, tuple[int, ...]],
+    q_len: int,
+    kv_len: int,
+    b_range: tuple[int, int],
+    h_range: tuple[int, int],
+    params: Mapping[str, bool | int | float] | None = None,
+) -> bool:
+    """Whether every buffer index of `expr` provably lies in [-size, size) of its dimension (the range torch's
+    indexing reads) wherever q_idx < q_len, kv_idx < kv_len and b, h lie in their half-open ranges, with no
+    integer operation on the way that may wrap. `shapes`: each buffer's shape by name. Where this holds an
+    evaluation over those indices needs no run-time range check, which would wait for the GPU."""
+    if min(q_len, kv_len) <= 0:
+        return False
+    analyzer = _Analyzer({
+        "q_idx": (_f(0.0), _f(float(q_len - 1))),
+        "kv_idx": (_f(0.0), _f(float(kv_len - 1))),
+        "b": _point_range(b_range, "b_range"),
+        "h": _point_range(h_range, "h_range"),
+    }, params)
+    vals: dict[str, object] = {}
+    for n in postorder(expr):
+        args = [vals[a.digest] for a in n.args]
+        if n.op == "load":
+            shape = shapes.get(n.attr.name)
+            if shape is None or len(shape) != len(args):
+                return False
+            for index, size in zip(args, shape):
+                if not isinstance(index, _Int) or not bool(((index.lo >= -size) & (index.hi <= size - 1)).all()):
+                    return False
+        vals[n.digest] = analyzer.visit(n, args)
+    return not bool(analyzer.overflow.any())
+
+
 def _check_mask(mask_expr: Node) -> Node:
     if not isinstance(mask_expr, Node) or mask_expr.dtype is not DType.BOOL:
         raise TypeError("mask analysis needs a BOOL-valued IR expression")

@@ -117,8 +117,8 @@ class Mod:
     def pretty(self) -> str:
         return pretty(self.expr)
 
-    def evaluate(self, float_dtype: torch.dtype = torch.float64, **inputs) -> torch.Tensor:
-        return evaluate(self.expr, inputs, self.buffers, self.params, float_dtype)
+    def evaluate(self, float_dtype: torch.dtype = torch.float64, check_ranges: bool = True, **inputs) -> torch.Tensor:
+        return evaluate(self.expr, inputs, self.buffers, self.params, float_dtype, check_ranges)
 
     def __call__(self, *args):
         if len(args) != len(self.arg_names):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from ..blockmask import BlockMask, dense_to_lists
-from .mask_cache import cached_per_mask, capturing
+from ..blockmask_cache import cached_per_mask, capturing
 
 
 def coarse_rows(block_mask, rows: int):
     """`block_mask` over query tiles of `rows` rows (BLOCK_SIZE (rows, its KV block)); the mask itself where its
-    query blocks are already a multiple of `rows`. Cached per count tensor (runtime/mask_cache.py); computed afresh
+    query blocks are already a multiple of `rows`. Cached per count tensor (blockmask_cache.py); computed afresh
     under CUDA-graph capture, where a cached tensor's address must not be captured."""
     bq, bkv = block_mask.BLOCK_SIZE
     if bq % rows == 0:

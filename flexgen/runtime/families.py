@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from ..arch import capability, shared_memory_limit
 from ..codegen.spec import HEAD_DIMS, KernelSpec
 from . import bwd_tiles
-from .schedule import (TAIL_REACH, chunk_by_tail, head_chunk, kv_tile_turns, l2_bytes, query_tile_order, sm_count,
-                       tile_counter)
+from .schedule import (TAIL_REACH, TailChoice, chunk_by_tail, head_chunk, kv_tile_turns, l2_bytes, query_tile_order,
+                       sm_count, tile_counter)
 
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -87,8 +87,9 @@ class Family:
 
     def forward_grid(self, spec: KernelSpec, p, q, k, block_mask) -> tuple[tuple, tuple]:
         """The forward's grid, one CTA per query tile, and the tensors whose addresses it wrote into p (the
-        caller keeps them while p is used); fills the FwdParams fields the family's schedule reads, but for those
-        of the stream (stream_fields)."""
+        caller keeps them while p is used) beside any field known only later (an object with `fill(p)`, called at
+        each launch); fills the FwdParams fields the family's schedule reads, but for those of the stream
+        (stream_fields)."""
         batch, heads, q_len, _ = q.shape
         return (-(-q_len // spec.block_m), heads, batch), ()
 
@@ -295,7 +296,11 @@ class SM90(Family):
         p.head_chunk = head_chunk(batch * heads, k.shape[2], d, q.element_size(), heads // k.shape[1],
                                   l2_bytes(q.device), query_tiles=query_tiles, ctas=reach)
         if block_mask is not None:  # (the tiles differ in cost: within that bound, the chunk with the shortest tail)
-            p.head_chunk = chunk_by_tail(block_mask, spec.block_m, batch * heads, grid[0], p.head_chunk)
+            chunk = chunk_by_tail(block_mask, spec.block_m, batch * heads, grid[0], p.head_chunk)
+            if isinstance(chunk, TailChoice):  # (filled again at each launch: ForwardLaunch.run)
+                chunk.fill(p)
+                return grid, (order, chunk)
+            p.head_chunk = chunk
         return grid, (order,)
 
     def stream_fields(self, p, device, stream: int) -> None:

@@ -86,9 +86,11 @@ class ForwardLaunch:
     repeated calls pay neither the planning nor the struct's fill. It holds the tensors whose addresses its
     struct carries (the mask's lists, the buffers, the work order), not the mask or the mods themselves."""
 
-    def __init__(self, kernel, spec: KernelSpec, params, grid: tuple, copies: tuple[bool, bool, bool], keep: tuple):
+    def __init__(self, kernel, spec: KernelSpec, params, grid: tuple, copies: tuple[bool, bool, bool], keep: tuple,
+                 late_fields: tuple = ()):
         self.kernel, self.spec, self.family = kernel, spec, families.of(spec)
         self.params, self.copies, self._keep = params, copies, keep
+        self._late_fields = late_fields  # fields known only after planning: each fills p at every launch
         self.grid, self.threads = dim3(grid), dim3(self.family.threads_per_cta(spec))
         self.shared_memory = int(shared_memory_bytes(kernel))
         self.writes_max = bool(spec.option("max_scores", False))
@@ -117,6 +119,8 @@ class ForwardLaunch:
         if self.writes_max:
             row_max = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
             p.max_scores = row_max.data_ptr()
+        for field in self._late_fields:
+            field.fill(p)
         stream = current_stream_ptr(query.device)
         self.family.stream_fields(p, query.device, stream)
         self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream, p)
@@ -149,7 +153,8 @@ def _launch_for(spec: KernelSpec, bm, query, key, value, score, mask, scale: flo
     copies = tuple(t is not r for t, r in ((query, q), (key, k), (value, v)))
     mask_lists = () if bm is None else tuple(getattr(bm, f) for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                                                                          "full_kv_indices"))
-    return ForwardLaunch(kernel, spec, p, grid, copies, (mask_lists, buffers, mod_args, schedule))
+    late_fields = tuple(x for x in schedule if hasattr(x, "fill"))  # (families.Family.forward_grid)
+    return ForwardLaunch(kernel, spec, p, grid, copies, (mask_lists, buffers, mod_args, schedule), late_fields)
 
 
 def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:

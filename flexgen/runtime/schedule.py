@@ -8,7 +8,7 @@ import heapq
 
 import torch
 
-from .mask_cache import cached_per_mask, capturing
+from ..blockmask_cache import cached_per_mask, capturing
 
 # The K and V of one chunk of (batch, head) pairs should take at most this share of the L2 cache: they are
 # read by every CTA working on the chunk, while Q, O and the next chunk's K and V pass through beside them.
@@ -23,7 +23,7 @@ TAIL_REACH = (4, 3)
 def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
     """The query tiles of `block_m` rows, heaviest first, as int32 indices: a tile weighs the number of KV
     blocks the mask lists for its query block (partial and full), summed over batch and heads. Ties keep
-    the later tile first (causal). Cached per count tensor (runtime/mask_cache.py); None under CUDA-graph
+    the later tile first (causal). Cached per count tensor (blockmask_cache.py); None under CUDA-graph
     capture."""
     counts, full = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
     if capturing(counts):
@@ -32,17 +32,49 @@ def query_tile_order(block_mask, block_m: int) -> torch.Tensor | None:
     return cached_per_mask(key, counts, full, lambda: _query_tile_order(counts, full, block_mask, block_m))
 
 
-def chunk_by_tail(block_mask, block_m: int, pairs: int, ctas: int, bound: int) -> int:
+def chunk_by_tail(block_mask, block_m: int, pairs: int, ctas: int, bound: int) -> "int | TailChoice":
     """The head chunk, at most `bound` (head_chunk), whose modeled tail (modeled_tail, the query tiles weighed by
-    the block mask) is shortest; the largest among equals. Cached per count tensor as query_tile_order; `bound`
-    under CUDA-graph capture."""
+    the block mask) is shortest; the largest among equals. On a GPU a TailChoice (its value is `bound` until the
+    mask's costs have come back to the host, which is never waited for); cached per count tensor as
+    query_tile_order; `bound` under CUDA-graph capture."""
     counts, full = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
     if bound <= 1 or capturing(counts):
         return bound
     key = ("chunk", id(counts), id(full), block_m, block_mask.seq_lengths[0], block_mask.BLOCK_SIZE[0], pairs, ctas,
            bound)
-    return cached_per_mask(key, counts, full, lambda: _chunk_by_tail(_query_tile_costs(counts, full, block_mask,
-                                                                                         block_m), pairs, ctas, bound))
+    choice = cached_per_mask(key, counts, full, lambda: TailChoice(_query_tile_costs(counts, full, block_mask, block_m),
+                                                                    pairs, ctas, bound))
+    return choice if counts.is_cuda else choice.value()
+
+
+class TailChoice:
+    """chunk_by_tail's answer for one mask, made without waiting for the GPU: the query tiles' costs come back by
+    a copy that the stream runs when it gets there (a fresh mask per training step then costs no sync), and until
+    they have, the wave rule's bound stands. `fill` writes the current answer into a forward's parameters at each
+    launch, so a planned call takes the model's chunk from the first launch after the costs arrive."""
+
+    def __init__(self, costs: torch.Tensor, pairs: int, ctas: int, bound: int):
+        self.pairs, self.ctas, self.bound = pairs, ctas, bound
+        self._chosen: int | None = None
+        self._ready = None
+        if costs.is_cuda:
+            self._costs = torch.empty(costs.shape, dtype=costs.dtype, pin_memory=True)
+            self._costs.copy_(costs, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._costs = costs
+
+    def value(self) -> int:
+        if self._chosen is None:
+            if self._ready is not None and not self._ready.query():
+                return self.bound
+            self._chosen = _chunk_by_tail(tuple(self._costs.tolist()), self.pairs, self.ctas, self.bound)
+            self._costs = self._ready = None
+        return self._chosen
+
+    def fill(self, p) -> None:
+        p.head_chunk = self.value()
 
 
 def _chunk_by_tail(costs: tuple[float, ...], pairs: int, ctas: int, bound: int) -> int:
@@ -50,11 +82,11 @@ def _chunk_by_tail(costs: tuple[float, ...], pairs: int, ctas: int, bound: int) 
     return min(tails, key=lambda chunk: (tails[chunk], -chunk))
 
 
-def _query_tile_costs(counts, full, block_mask, block_m: int) -> tuple[float, ...]:
-    """What a query tile of one (batch, head) pair costs, heaviest first: its KV blocks (averaged over the
-    mask's batch and heads) plus one for its fixed part (docs/scheduling.md's model)."""
+def _query_tile_costs(counts, full, block_mask, block_m: int) -> torch.Tensor:
+    """What a query tile of one (batch, head) pair costs, heaviest first, as float64 on the mask's device: its KV
+    blocks (averaged over the mask's batch and heads) plus one for its fixed part (docs/scheduling.md's model)."""
     per_tile = _tile_weights(counts, full, block_mask, block_m).double() / (counts.shape[0] * counts.shape[1])
-    return tuple((torch.sort(per_tile, descending=True).values + 1).tolist())
+    return torch.sort(per_tile, descending=True).values + 1
 
 
 def _tile_weights(counts, full, block_mask, block_m: int) -> torch.Tensor:

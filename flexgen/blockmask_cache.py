@@ -11,21 +11,23 @@ _MAX_ENTRIES = 256
 _entries: dict[tuple, tuple] = {}
 
 
-def cached_per_mask(key: tuple, counts: torch.Tensor, full: torch.Tensor | None, make):
-    """make()'s result, kept under `key` while `counts` lives and neither count tensor changes in place."""
+def cached_per_mask(key: tuple, counts: torch.Tensor, full: torch.Tensor | None, make, also: tuple = ()):
+    """make()'s result, kept under `key` while `counts` lives and neither count tensor changes in place; `also`:
+    further tensors it derives from, which must be the same objects, unchanged in place, as well."""
     hit = _entries.get(key)
-    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full):
+    if hit is not None and hit[0]() is counts and hit[1] == _versions(counts, full, also) and \
+            all(ref() is t for ref, t in zip(hit[3], also)):
         return hit[2]
     made = make()
     if len(_entries) >= _MAX_ENTRIES:
         _entries.clear()
-    _entries[key] = (weakref.ref(counts), _versions(counts, full), made)
+    _entries[key] = (weakref.ref(counts), _versions(counts, full, also), made, tuple(weakref.ref(t) for t in also))
     return made
 
 
-def _versions(counts: torch.Tensor, full: torch.Tensor | None) -> tuple[int, int]:
+def _versions(counts: torch.Tensor, full: torch.Tensor | None, also: tuple = ()) -> tuple[int, ...]:
     """In-place changes to the mask's tensors bump their versions and invalidate what was derived from them."""
-    return counts._version, -1 if full is None else full._version
+    return counts._version, -1 if full is None else full._version, *(t._version for t in also)
 
 
 def capturing(counts: torch.Tensor) -> bool:
