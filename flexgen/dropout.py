@@ -2,7 +2,7 @@
 run-time values (threshold, scale) they are given.
 
 The kernels never store a mask: each element's keep decision is a pure function of
-(seed, offset, b, h, q, kv, q_len, num_heads), computed by Philox4x32-10 in both the
+(seed, offset, b, h, q, kv, q_len, num_heads), computed by Philox4x32-7 in both the
 forward and the backward (templates/common/philox.cuh says how the counter is laid out).
 `dropout_keep_mask` here reproduces it bit for bit, for tests and for reference math.
 """
@@ -13,6 +13,7 @@ import torch
 _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+DROPOUT_ROUNDS = 7  # common/philox.cuh's FLEXGEN_DROPOUT_ROUNDS: FlashAttention-2's count (docs/dropout.md)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Q_LEN: int, KV_LEN
     zero = torch.zeros((), device=device, dtype=torch.int64)
     counter = torch.stack(torch.broadcast_tensors(cols, rows & _MASK32, zero + (offset & _MASK32), zero + (offset >> 32)), -1)
     key = torch.tensor([seed & _MASK32, seed >> 32], device=device, dtype=torch.int64)
-    words = philox4x32(counter, key).view(B * H, quads, kv2, 4)
+    words = philox4x32(counter, key, DROPOUT_ROUNDS).view(B * H, quads, kv2, 4)
     q = torch.arange(Q_LEN, device=device)
     quad, word = (q >> 4) * 4 + ((q >> 1) & 3), 2 * (q & 1) + ((q >> 3) & 1)
     words = words[:, quad].gather(-1, word.view(1, -1, 1, 1).expand(B * H, Q_LEN, kv2, 1)).squeeze(-1)

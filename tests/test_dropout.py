@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flexgen.codegen.api import emit
-from flexgen.dropout import check_dropout, dropout_keep_mask, dropout_scale, dropout_threshold, philox4x32
+from flexgen.dropout import (DROPOUT_ROUNDS, check_dropout, dropout_keep_mask, dropout_scale, dropout_threshold,
+                             philox4x32)
 
 HEADER_DIR = Path(__file__).resolve().parents[1] / "flexgen" / "templates" / "common"
 
@@ -31,11 +32,11 @@ def test_philox_known_answers(counter, key, expected):
     assert tuple(got.tolist()) == expected
 
 
-def _philox_python(c: list[int], k: list[int]) -> list[int]:
-    """Philox4x32-10 on Python ints (no overflow anywhere): an independent check of the torch one."""
+def _philox_python(c: list[int], k: list[int], rounds: int) -> list[int]:
+    """Philox4x32-R on Python ints (no overflow anywhere): an independent check of the torch one."""
     m = 0xFFFFFFFF
     k0, k1 = k
-    for r in range(10):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
         p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
@@ -43,13 +44,33 @@ def _philox_python(c: list[int], k: list[int]) -> list[int]:
     return c
 
 
-def test_philox_vectorised_matches_python_ints():
-    rng = random.Random(0)
+@pytest.mark.parametrize("rounds", [7, 10])
+def test_philox_vectorised_matches_python_ints(rounds):
+    rng = random.Random(rounds)
     edges = [0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]
     counters = [[rng.choice(edges) if rng.random() < 0.3 else rng.getrandbits(32) for _ in range(4)] for _ in range(300)]
     keys = [[rng.getrandbits(32), rng.getrandbits(32)] for _ in range(300)]
-    got = philox4x32(torch.tensor(counters), torch.tensor(keys)).tolist()
-    assert got == [_philox_python(c, k) for c, k in zip(counters, keys)]
+    got = philox4x32(torch.tensor(counters), torch.tensor(keys), rounds).tolist()
+    assert got == [_philox_python(c, k, rounds) for c, k in zip(counters, keys)]
+
+
+@pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 0.9])
+def test_keep_rates_and_neighbours_are_as_independent_draws(p):
+    """The seven-round draw the kernels use: over 2^20 elements each p keeps 1 - threshold / 2^16 of them within five
+    standard deviations, and neighbours in a group (the two halves of a word, the rows of a word pair, the words of a
+    call) agree as often as independent draws would."""
+    seed = random.Random().getrandbits(64)
+    m = dropout_keep_mask(seed, 3, 1, 4, 512, 512, p)
+    keep = 1 - dropout_threshold(p) / 2**16
+    n = m.numel()
+    sigma = (keep * (1 - keep) / n) ** 0.5
+    assert abs(m.float().mean().item() - keep) < 5 * sigma, seed
+    agree = keep**2 + (1 - keep) ** 2  # two independent draws agree this often
+    pairs = {"halves of a word": (m[..., 0::2], m[..., 1::2]), "rows q, q + 1": (m[:, :, 0::2], m[:, :, 1::2]),
+             "rows q, q + 8": (m[:, :, 0::16], m[:, :, 8::16])}
+    for name, (a, b) in pairs.items():
+        sigma = (agree * (1 - agree) / a.numel()) ** 0.5
+        assert abs((a == b).float().mean().item() - agree) < 5 * sigma, (name, seed)
 
 
 def test_threshold_and_argument_checks():
@@ -77,7 +98,7 @@ def test_threshold_and_argument_checks():
 def _keep_elementwise(seed, offset, p, b, h, q, kv, H, Q):
     """The definition in philox.cuh, element by element on Python ints."""
     quad = ((b * H + h) * ((Q + 15) // 16 * 4) + (q // 16) * 4 + (q // 2) % 4) & 0xFFFFFFFF
-    w = _philox_python([kv // 2, quad, offset & 0xFFFFFFFF, offset >> 32], [seed & 0xFFFFFFFF, seed >> 32])
+    w = _philox_python([kv // 2, quad, offset & 0xFFFFFFFF, offset >> 32], [seed & 0xFFFFFFFF, seed >> 32], DROPOUT_ROUNDS)
     word = w[2 * (q % 2) + (q // 8) % 2]
     return (word >> 16 if kv % 2 else word & 0xFFFF) >= dropout_threshold(p)
 
@@ -111,14 +132,17 @@ def test_keep_mask_statistics_and_streams():
 HARNESS = r"""
 #include <cstdio>
 #include "philox.cuh"
-// stdin lines: "P c0 c1 c2 c3 k0 k1" -> four words; "G seed offset threshold B H Q KV" -> the keep bits.
+// stdin lines: "P rounds c0 c1 c2 c3 k0 k1" -> four words (rounds 7 or 10); "G seed offset threshold B H Q KV" -> the
+// keep bits.
 int main() {
     char op;
     while (std::scanf(" %c", &op) == 1) {
         if (op == 'P') {
             unsigned c[4], k[2];
-            std::scanf("%u %u %u %u %u %u", &c[0], &c[1], &c[2], &c[3], &k[0], &k[1]);
-            const PhiloxWords w = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
+            int rounds;
+            std::scanf("%d %u %u %u %u %u %u", &rounds, &c[0], &c[1], &c[2], &c[3], &k[0], &k[1]);
+            const PhiloxWords w = rounds == 10 ? philox4x32<10>(c[0], c[1], c[2], c[3], k[0], k[1])
+                                               : philox4x32<7>(c[0], c[1], c[2], c[3], k[0], k[1]);
             std::printf("%u %u %u %u\n", w.w[0], w.w[1], w.w[2], w.w[3]);
         } else {
             unsigned long long seed, offset;
@@ -157,11 +181,12 @@ def test_header_on_host_matches_torch(host_harness):
     keys = [[rng.getrandbits(32), rng.getrandbits(32)] for _ in range(500)] + [list(k) for _, k, _ in KAT]
     grids = [(rng.getrandbits(64), rng.getrandbits(64), p, 2, 3, q, kv)
              for p, q, kv in ((0.1, 9, 13), (0.5, 16, 16), (0.9, 1, 7), (0.3, 33, 64))]
-    lines = [f"P {' '.join(map(str, c + k))}" for c, k in zip(counters, keys)]
+    rounds = [10 if i % 2 else 7 for i in range(len(counters))]
+    lines = [f"P {r} {' '.join(map(str, c + k))}" for r, c, k in zip(rounds, counters, keys)]
     lines += [f"G {s} {o} {dropout_threshold(p)} {B} {H} {Q} {KV}" for s, o, p, B, H, Q, KV in grids]
     out = subprocess.run([str(host_harness)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
     got = out.stdout.split("\n")
-    want = philox4x32(torch.tensor(counters), torch.tensor(keys)).tolist()
+    want = [philox4x32(torch.tensor(c), torch.tensor(k), r).tolist() for r, c, k in zip(rounds, counters, keys)]
     assert [list(map(int, line.split())) for line in got[: len(want)]] == want
     for line, (s, o, p, B, H, Q, KV) in zip(got[len(want):], grids):
         ref = dropout_keep_mask(s, o, B, H, Q, KV, p).flatten().tolist()

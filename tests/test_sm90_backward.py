@@ -363,8 +363,8 @@ def test_sm90_backward_persistent_option():
 def test_dropout_kernels_compile(D):
     """Dropout runs on the sm90 family: the forward scales P by Z / (1 - p) before P V, the backward draws the same Z
     for dV and dP^T (common/philox.cuh), both on the two-warpgroup tiles (Philox's state spills 500+ B on the
-    192-row forward and the 128-row backward). NVRTC 13.5: spill-free but for the D = 128 backward (ALiBi 70 B;
-    the keep bits of two column groups live through a group's gradient math); more is a regression."""
+    192-row forward and the 128-row backward). NVRTC 13.5: spill-free but for the D = 128 backward (22-46 B; the
+    keep bits of two column groups live through a group's gradient math); more is a regression."""
     for name, score, mask in (("none", None, None), ("alibi_causal", V.alibi(4), V.causal)):
         for kind in ("fwd", "bwd"):
             spec = make_spec(kind, score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=True, **SM90)
@@ -372,7 +372,7 @@ def test_dropout_kernels_compile(D):
             kernel = jit.get_kernel(spec)
             assert "dropout_keep_bits" in kernel.source
             assert_tma_fed_and_unserialised(kernel)
-            limit = 0 if kind == "fwd" or D == 64 else 72
+            limit = 0 if kind == "fwd" or D == 64 else 48
             assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{kind} {name} D={D}: {kernel.resources}"
 
 

@@ -1,4 +1,4 @@
-// Attention dropout: a counter-based Philox4x32-10 draw per element, never a stored mask.
+// Attention dropout: a counter-based Philox4x32-7 draw per element, never a stored mask.
 // Plain C++ (no CUDA headers) so that the same code compiles for the host, where tests
 // check it against flexgen/dropout.py.
 //
@@ -26,10 +26,16 @@ struct PhiloxWords {
     unsigned w[4];
 };
 
-// The Philox4x32-10 bijection of Salmon et al. (Random123), standard constants.
-FLEXGEN_HD PhiloxWords philox4x32_10(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0, unsigned k1) {
+// Rounds of Philox per dropout draw: seven, as FlashAttention-2 draws the dropout of PyTorch's SDPA flash kernels.
+// Random123's authors default to ten, a margin above the seven that already pass their statistical tests; each
+// round is two wide multiplies per call on the consumers' critical path (docs/dropout.md).
+constexpr int FLEXGEN_DROPOUT_ROUNDS = 7;
+
+// The Philox4x32-R bijection of Salmon et al. (Random123), standard constants.
+template <int ROUNDS>
+FLEXGEN_HD PhiloxWords philox4x32(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0, unsigned k1) {
     #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < ROUNDS; ++round) {
         if (round > 0) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
@@ -53,7 +59,7 @@ FLEXGEN_HD PhiloxWords dropout_group_words(unsigned long long seed, unsigned lon
     const unsigned uq = static_cast<unsigned>(q);
     const unsigned quads = (static_cast<unsigned>(q_len) + 15u) / 16u * 4u;
     const unsigned row = (static_cast<unsigned>(b) * num_heads + h) * quads + (uq / 16u) * 4u + (uq / 2u) % 4u;
-    return philox4x32_10(static_cast<unsigned>(kv) / 2u, row, static_cast<unsigned>(offset),
+    return philox4x32<FLEXGEN_DROPOUT_ROUNDS>(static_cast<unsigned>(kv) / 2u, row, static_cast<unsigned>(offset),
                          static_cast<unsigned>(offset >> 32), static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
 }
 
