@@ -223,7 +223,7 @@ def test_calls_reject_bad_dropout_before_any_kernel(bad):
 
 def test_dropout_tiles():
     """Dropout kernels get their own tile where the default sits at the register limit: sm80's lean rows, and on sm90
-    the two-warpgroup tiles instead of the 192-row forward and the 128-row D = 64 backward."""
+    the two-warpgroup tiles instead of the 128-row D = 64 backward, and of the 192-row forward beside a score_mod."""
     from flexgen.codegen.api import make_spec
 
     sm80 = {"family": "sm80"}
@@ -234,7 +234,10 @@ def test_dropout_tiles():
     at_64 = make_spec("fwd", head_dim=64, arch="sm_90a", **sm80)
     assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True, **sm80) == at_64.with_(dropout=True)  # fits
     assert make_spec("fwd", head_dim=128, arch="sm_90a", dropout=True, num_warps=4).num_warps == 4  # overrides win
-    for kind, tile in (("fwd", (128, 128, 8)), ("bwd", (64, 128, 8))):
-        spec = make_spec(kind, head_dim=64, arch="sm_90a", dropout=True)
-        assert (spec.family, spec.block_m, spec.block_n, spec.num_warps) == ("sm90", *tile)
-        assert make_spec(kind, head_dim=64, arch="sm_90a").block_m != spec.block_m
+    spec = make_spec("bwd", head_dim=64, arch="sm_90a", dropout=True)
+    assert (spec.family, spec.block_m, spec.block_n, spec.num_warps) == ("sm90", 64, 128, 8)
+    assert make_spec("bwd", head_dim=64, arch="sm_90a").block_m != spec.block_m
+    assert make_spec("fwd", head_dim=64, arch="sm_90a", dropout=True) == make_spec("fwd", head_dim=64,
+                                                                                 arch="sm_90a").with_(dropout=True)
+    scored = make_spec("fwd", "score * 0.5", head_dim=64, arch="sm_90a", dropout=True)
+    assert (scored.family, scored.block_m, scored.num_warps) == ("sm90", 128, 8)

@@ -161,6 +161,10 @@ def test_tile_choice():
     for i in range(12):  # 25 operations: the 160 registers of a consumer would spill
         long = flexgen.and_masks(long, flexgen.mask_mod(lambda b, h, q, kv, i=i: (q - kv) % (i + 2) != 1))
     assert derived(64, mask_expr=long.expr, mask_block=(128, 128)) == (128, 128, 8, 2)
+    # Dropout takes the three warpgroups too, but not beside a score_mod (Philox's state and its terms would spill).
+    assert tile(64, dropout=True) == derived(64, mask_expr=causal, mask_block=(128, 128), dropout=True) \
+        == (192, 128, 12, 2)
+    assert derived(64, score_expr=capped, mask_expr=causal, mask_block=(128, 128), dropout=True) == (128, 128, 8, 2)
     # Per-element score loads do not shrink the KV tile below the smallest wgmma N the template has.
     score, _ = cpu_variants()["relative_bias"]
     assert plan("fwd", "sm_90a", 128, "bf16", score.expr, family="sm90").block_n == 64

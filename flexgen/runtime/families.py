@@ -34,6 +34,7 @@ class Call:
     mask_block: tuple[int, int] | None = None  # the block mask's BLOCK_SIZE
     blocks_follow_mask: bool = False  # its lists were computed from the mask_mod (BlockMask.blocks_follow_mask_mod)
     masked: bool = False  # a mask_mod (which flex_attention runs under a block mask)
+    scored: bool = False  # a score_mod
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
     score_folds: bool = False  # a forward's score_mod folds into per-head terms (dsl/affine.py, dsl/softcap.py)
     mask_loads: bool = False  # mask_mod reads a buffer
@@ -213,8 +214,9 @@ class SM90(Family):
     # addresses spill at 160 registers: 200-390 B; a score_mod that folds into per-head terms, ALiBi with a
     # slopes tensor, reads them once per work tile and takes the 192 rows: 7% faster, docs/forward-sm90.md) or
     # is long (attention-gym's tiled NATTEN and STA masks, 31-44 operations, spill 44-256 B; its masks up to 16
-    # operations spill nothing), nor for a mask_mod planned without its block mask, nor with dropout (Philox's
-    # state spills 532 B).
+    # operations spill nothing), nor for a mask_mod planned without its block mask, nor with dropout beside a
+    # score_mod (Philox's state beside ALiBi's terms spills 156 B, beside a generic score_mod 8 B; dropout with no
+    # score_mod, masked or not, spills nothing: docs/dropout.md).
     FWD_THREE_WG = (192, 128, 12, 2)
     THREE_WG_MAX_OPS = 24
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
@@ -259,7 +261,8 @@ class SM90(Family):
             blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
                        and not loads_in_loop
                        and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
-            three = call.head_dim == 64 and small_mods and (unmasked or blocked) and not call.dropout
+            three = (call.head_dim == 64 and small_mods and (unmasked or blocked)
+                     and not (call.dropout and call.scored))
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self._backward_tile(call)))

@@ -57,7 +57,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 blocks_follow_mask=blocks_follow_mask,
-                masked=mask_expr is not None,
+                masked=mask_expr is not None, scored=score_expr is not None,
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
                 score_folds=score_expr is not None and _score_folds(kind, score_expr, extra),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
