@@ -458,6 +458,8 @@ _MAX_ANALYSED = 128
 
 
 def _analysed(key: tuple, analyse):
+    if torch.compiler.is_compiling():  # host code on host tensors: run, not traced (its guards recompile often)
+        return torch.compiler.disable(analyse, reason="flexgen's mask analysis is host code")()
     hit = _ANALYSED.get(key)
     if hit is None:
         if len(_ANALYSED) >= _MAX_ANALYSED:
@@ -540,7 +542,7 @@ def _refine(mod: Mod, partial: torch.Tensor, q_len, kv_len, bq, bkv, device) -> 
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device`; to a GPU through pinned memory without waiting (the copy is ordered on the
     stream before the kernels that read it, and the pinned block is kept until it is done)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.compiler.is_compiling():  # (dynamo has no fake pin_memory)
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -362,3 +362,22 @@ def test_token_and_variant_registries_are_bounded_and_hold_no_tensors(monkeypatc
     del alibi, slopes
     gc.collect()
     assert alive() is None
+
+
+def test_compiled_create_block_mask_over_a_partial_reading_a_buffer_by_batch():
+    """PyTorch's dynamic-batch test compiles create_block_mask (dynamic=True, graph breaks allowed) over a
+    functools.partial padding mask: dynamo then traces flexgen's host code between breaks. The mask analysis runs
+    untraced there (its guards recompiled dozens of frames), and the masks equal eager ones for new lengths."""
+    import functools
+
+    def padded(b, h, q_idx, kv_idx, lengths):
+        return (q_idx < lengths[b]) & (kv_idx < lengths[b])
+
+    torch._dynamo.reset()
+    counters.clear()
+    build = torch.compile(flexgen.create_block_mask, dynamic=True, fullgraph=False, backend="eager")
+    for _ in range(3):
+        mod = functools.partial(padded, lengths=torch.randint(100, 301, (3,)))
+        made = build(mod, B=3, H=None, Q_LEN=300, KV_LEN=300, device="cpu")
+        assert torch.equal(made.to_dense(), flexgen.create_block_mask(mod, 3, None, 300, 300, device="cpu").to_dense())
+    assert counters["stats"]["unique_graphs"] <= 20, dict(counters["stats"])
