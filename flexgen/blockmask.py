@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from . import blockmask_validate as check
-from .dsl.mod import Mod
 from .blockmask_cache import cached_per_mask, capturing
+from .dsl.mod import Mod
 
 DEFAULT_BLOCK_SIZE = 128
 # PyTorch's "empty" block mask (its _create_empty_block_mask) is one block this large with lengths (1, 1): it
