@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# CI (.ci/run) loads this profile: the property tests draw the same examples at every run there, so that a CI result
+# depends on the code alone; other runs draw fresh ones and keep exploring.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("FLEXGEN_HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["FLEXGEN_HYPOTHESIS_PROFILE"])
 
 
 def _has_gpu() -> bool:
