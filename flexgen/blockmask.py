@@ -552,6 +552,7 @@ def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: 
     read b or h (reads_batch_heads), else B and H."""
     device = torch.device(device)
     n_q, n_kv = -(-Q_LEN // bq), -(-KV_LEN // bkv)
+    refined_full = None
     if mod is None:
         full = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool)
         partial = torch.zeros_like(full)
@@ -570,12 +571,14 @@ def block_mask_of(mod: Mod | None, B: int, H: int, Q_LEN: int, KV_LEN: int, bq: 
         for b in range(nb):
             for h in range(nh):
                 full[b, h], partial[b, h] = shared or _classify(mod, Q_LEN, KV_LEN, bq, bkv, (b, b + 1), (h, h + 1))
-        if partial.any():
+        if partial.any():  # (the rest on the device: _refine)
             refined_full, partial = _refine(mod, partial, Q_LEN, KV_LEN, bq, bkv, device)
-            return BlockMask.from_dense_blocks(_to_device(full, device) | refined_full, partial, (bq, bkv),
-                                               (Q_LEN, KV_LEN), mod).derived_from_mask_mod()
-    return BlockMask.from_dense_blocks(_to_device(full, device), _to_device(partial, device), (bq, bkv), (Q_LEN, KV_LEN),
-                                       mod).derived_from_mask_mod()
+    full = _to_device(full, device)
+    if refined_full is not None:
+        full |= refined_full
+    else:
+        partial = _to_device(partial, device)
+    return BlockMask.from_dense_blocks(full, partial, (bq, bkv), (Q_LEN, KV_LEN), mod).derived_from_mask_mod()
 
 
 def reads_batch_heads(mod: Mod | None) -> tuple[bool, bool]:

@@ -147,22 +147,21 @@ def buffer_reads_in_range(
     if min(q_len, kv_len) <= 0:
         return False
     analyzer = _Analyzer({
-        "q_idx": (_f(0.0), _f(float(q_len - 1))),
-        "kv_idx": (_f(0.0), _f(float(kv_len - 1))),
+        "q_idx": _point_range((0, q_len), "q range"),
+        "kv_idx": _point_range((0, kv_len), "kv range"),
         "b": _point_range(b_range, "b_range"),
         "h": _point_range(h_range, "h_range"),
     }, params)
-    vals: dict[str, object] = {}
+    vals = analyzer.values(expr)
     for n in postorder(expr):
-        args = [vals[a.digest] for a in n.args]
-        if n.op == "load":
-            shape = shapes.get(n.attr.name)
-            if shape is None or len(shape) != len(args):
+        if n.op != "load":
+            continue
+        shape = shapes.get(n.attr.name)
+        if shape is None or len(shape) != len(n.args):
+            return False
+        for index, size in zip((vals[a.digest] for a in n.args), shape):
+            if not isinstance(index, _Int) or not bool(((index.lo >= -size) & (index.hi <= size - 1)).all()):
                 return False
-            for index, size in zip(args, shape):
-                if not isinstance(index, _Int) or not bool(((index.lo >= -size) & (index.hi <= size - 1)).all()):
-                    return False
-        vals[n.digest] = analyzer.visit(n, args)
     return not bool(analyzer.overflow.any())
 
 
@@ -281,10 +280,14 @@ class _Analyzer:
         self.overflow = torch.tensor(False)  # per tile: some integer value may have wrapped
 
     def run(self, root: Node) -> _Bool:
+        return self.values(root)[root.digest]
+
+    def values(self, root: Node) -> dict[str, object]:
+        """The abstract value of every node of `root`, by digest."""
         vals: dict[str, object] = {}
         for n in postorder(root):
             vals[n.digest] = self.visit(n, [vals[a.digest] for a in n.args])
-        return vals[root.digest]
+        return vals
 
     def visit(self, n: Node, args: list):
         if n.dtype is DType.BOOL:
