@@ -55,7 +55,7 @@ def at_a_jump(e, inputs, buffers, params):
     shape = inputs["score"].shape
     jumps = torch.zeros(shape, dtype=torch.bool)
     for n in ir.postorder(e):
-        if n.op in ("mod", "fmod") and not n.dtype.is_int and n.dtype is not DType.BOOL:
+        if n.op in ("mod", "fmod") and n.dtype is DType.FLOAT32:
             a, b = (evaluate(x, inputs, buffers, params, torch.float64).expand(shape) for x in n.args)
             quotient = a / b
             jumps |= (quotient - quotient.round()).abs() <= 1e-6 * quotient.abs().clamp(min=1)
