@@ -234,7 +234,7 @@ def test_return_aux_max_scores():
 
 
 def test_max_scores_is_a_forward_option_of_both_families(hopper):
-    q = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
+    q = torch.empty(1, 1, 128, 128, dtype=torch.bfloat16)  # (not a decoding query)
     spec = make_spec("fwd", q, None, flexgen.variants.causal, None, max_scores=True)
     assert spec.family == "sm90" and spec.option("max_scores") is True
     plain = make_spec("fwd", q, None, flexgen.variants.causal, None)

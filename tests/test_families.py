@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import types
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_threads_and_grids():
 @pytest.mark.parametrize("head_dim", [64, 96])
 def test_flex_attention_and_emit_plan_the_same_kernel(monkeypatch, kind, options, emit_options, head_dim):
     monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")  # a CPU tensor stands in
-    query = torch.empty(1, 2, 8, head_dim, dtype=torch.float16)
+    query = torch.empty(1, 2, 300, head_dim, dtype=torch.float16)  # (longer than a decoding query: no split keys)
     score, mask = V.softcap(30.0), V.causal
     by_call = planning.make_spec(kind, query, score, mask, options)
     by_emit = emit_spec(kind, score, mask, head_dim=head_dim, dtype="fp16", arch="sm_90a", **emit_options)
@@ -200,3 +201,100 @@ def test_sm90_forward_head_chunk_under_a_causal_mask(monkeypatch):
             chunks[d, name] = p.head_chunk
     # 64 and 43 query tiles per pair: waves of 2 and 3 pairs; the causal tail is shortest at 2 and, reaching 4, at 4
     assert chunks == {(128, "none"): 2, (128, "causal"): 2, (64, "none"): 3, (64, "causal"): 4}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_a_decoding_query_plans_the_split_key_forward(monkeypatch, head_dim):
+    """At most 64 query rows: the sm80 forward with split keys (sm90 refuses it), one 16-row MMA tile per warp;
+    its plan equals emit's with split_kv=True. A family or tile the call chooses, split_kv=False, max_scores, a
+    longer query or another kernel kind keep the usual plan."""
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")
+    short, long_ = (torch.empty(2, 4, n, head_dim, dtype=torch.bfloat16) for n in (64, 65))
+    spec = planning.make_spec("fwd", short, None, V.causal, None)
+    assert spec.family == "sm80" and spec.option("split_kv") is True
+    assert spec.block_m == 64 and spec.num_warps == 4 and spec.num_stages == 2
+    assert spec == emit_spec("fwd", None, V.causal, head_dim=head_dim, arch="sm_90a", split_kv=True)
+    usual = planning.make_spec("fwd", long_, None, V.causal, None)
+    assert usual.option("split_kv") is None and usual.family == ("sm90" if head_dim in (64, 128) else "sm80")
+    for options in ({"split_kv": False}, {"family": "sm80"}, {"BLOCK_M": 128, "num_warps": 4}):
+        assert planning.make_spec("fwd", short, None, V.causal, options).option("split_kv") is None, options
+    assert planning.make_spec("fwd", short, None, V.causal, None, max_scores=True).option("split_kv") is None
+    assert planning.make_spec("fwd", long_, None, V.causal, {"split_kv": True}).option("split_kv") is True
+    assert planning.make_spec("bwd", short, None, V.causal, None).option("split_kv") is None
+    # under GQA the rows per KV head count: 16 rows x 4 heads split, 17 x 4 do not
+    gqa = torch.empty(2, 8, 16, head_dim, dtype=torch.bfloat16)
+    assert planning.make_spec("fwd", gqa, None, None, None, kv_heads=2).option("split_kv") is True
+    gqa = torch.empty(2, 8, 17, head_dim, dtype=torch.bfloat16)
+    assert planning.make_spec("fwd", gqa, None, None, None, kv_heads=2).option("split_kv") is None
+    with pytest.raises(ValueError, match="split_kv=True cannot be combined with"):
+        planning.make_spec("fwd", short, None, None, {"split_kv": True}, max_scores=True)
+    if head_dim in (64, 128):
+        with pytest.raises(ValueError, match="does not split a query tile's keys"):
+            planning.make_spec("fwd", short, None, None, {"split_kv": True, "family": "sm90"})
+
+
+def test_the_split_key_grid_deals_each_query_tile_into_parts(monkeypatch):
+    """The grid's x holds the parts of each query tile side by side and y the groups of query heads that share a
+    tile (a KV head's, under GQA); kv_splits fills the GPU without parts shorter than MIN_TILES_PER_PART KV tiles,
+    and never splits a KV sequence of fewer tiles than that."""
+    from flexgen.runtime import schedule
+
+    monkeypatch.setattr(families, "sm_count", lambda device: 132)
+    spec = planning.plan("fwd", "sm_90a", 128, "bf16", extra=(("split_kv", True),))
+    p = types.SimpleNamespace()
+    q = torch.empty(1, 32, 1, 128, device="meta")
+    k = torch.empty(1, 8, 32768, 128, device="meta")
+    grid, _ = families.of(spec).forward_grid(spec, p, q, k, None)
+    assert p.packed_heads == 4  # one tile holds the 4 query heads of a KV head: 8 tiles
+    assert p.kv_splits == schedule.kv_splits(8, 32768 // 64, 132) == 33  # ceil(2 * 132 / 8)
+    assert grid == (33, 8, 1)
+    mha = torch.empty(1, 32, 32768, 128, device="meta")  # (a KV head per query head)
+    grid, _ = families.of(spec).forward_grid(spec, p, q, mha, None)
+    assert p.packed_heads == 1 and grid == (9 * 1, 32, 1)  # ceil(2 * 132 / 32) = 9 parts
+    assert schedule.kv_splits(1024, 64, 132) == 1  # enough query tiles already
+    assert schedule.kv_splits(1, 3, 132) == 1  # too few KV tiles to split
+    assert schedule.kv_splits(1, 10_000, 132) == schedule.MAX_SPLITS
+    assert schedule.kv_splits(4, 16, 132) == 16 // schedule.MIN_TILES_PER_PART
+
+
+def test_split_keys_pack_a_kv_heads_query_heads_only_where_every_row_walks_the_same_tiles():
+    plain = planning.plan("fwd", "sm_90a", 128, "bf16", extra=(("split_kv", True),))
+    dropout = planning.plan("fwd", "sm_90a", 128, "bf16", dropout=True, extra=(("split_kv", True),))
+
+    def mask(heads, q_block=128):
+        return types.SimpleNamespace(kv_num_blocks=torch.empty(1, heads, 1), BLOCK_SIZE=(q_block, 128))
+
+    assert families.packed_heads(plain, 4, 3, None) == 4
+    assert families.packed_heads(plain, 1, 3, None) == 1  # no GQA
+    assert families.packed_heads(dropout, 4, 3, None) == 1  # dropout draws per (head, row) of an MMA tile
+    assert families.packed_heads(plain, 4, 3, mask(1)) == 4
+    assert families.packed_heads(plain, 4, 3, mask(8)) == 1  # lists per head
+    assert families.packed_heads(plain, 4, 64, mask(1, q_block=32)) == 1  # the query spans two query blocks
+
+
+def test_a_build_file_variant_with_split_kv_builds_the_merge_too():
+    built = expand(dict(mask_mod=V.causal, head_dim=128, kinds=("fwd",), split_kv=True), ["sm_90a"])
+    assert [s.kind for s in built] == ["fwd", "fwd_combine"]
+    assert built[0].family == built[1].family == "sm80" and built[0].option("split_kv") is True
+    assert [s.kind for s in expand(dict(mask_mod=V.causal, head_dim=128, kinds=("fwd",)), ["sm_90a"])] == ["fwd"]
+
+
+@needs_nvrtc
+@pytest.mark.usefixtures("isolated_kernel_cache")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_split_key_forward_and_its_merge_compile_without_spills(head_dim):
+    """NVRTC builds the split-key forward (a score_mod, a buffer-reading mask, and dropout) and fwd_combine for
+    sm_90a without spills; the forward's parameter struct carries the parts, other forwards' do not."""
+    from flexgen.cache import jit
+    from flexgen.cache.ptxas import has_spills
+    from flexgen.codegen.render import render
+
+    docs = V.document(torch.zeros(16, dtype=torch.int32))
+    for score, mask, extra in ((V.softcap(30.0), V.causal, {}), (None, docs, {}), (None, V.causal, {"dropout": True})):
+        spec = emit_spec("fwd", score, mask, head_dim=head_dim, arch="sm_90a", split_kv=True, **extra)
+        kernel = jit.get_kernel(spec)
+        assert not has_spills(kernel.resources), f"{spec.describe()}: {kernel.resources}"
+        assert "float* o_part;" in render(spec)
+    merge = emit_spec("fwd_combine", head_dim=head_dim, arch="sm_90a")
+    assert merge.family == "sm80" and not has_spills(jit.get_kernel(merge).resources)
+    assert "o_part" not in render(emit_spec("fwd", None, V.causal, head_dim=head_dim, arch="sm_80"))

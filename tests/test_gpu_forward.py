@@ -282,7 +282,7 @@ def precompiled():
     def warm(job):
         score, bm, dtype, d, opts = job
         try:
-            x = torch.randn(1, 1, 16, d, device=DEV, dtype=dtype)
+            x = torch.randn(1, 1, 80, d, device=DEV, dtype=dtype)  # (longer than a decoding query: the usual kernels)
             flexgen.flex_attention(x, x, x, score_mod=score, block_mask=bm, kernel_options=opts)
         except Exception:
             pass

@@ -98,7 +98,8 @@ def _tuple(v) -> tuple:
 
 def expand(variant: dict, archs: list[str], templates_take_others: bool = False) -> list:
     """Every KernelSpec of one variant: kinds x head dims x dtypes x archs, and for a backward
-    its pre- and post-processing kernels (one pair per head dim, dtype and arch)."""
+    its pre- and post-processing kernels (one pair per head dim, dtype and arch), for a forward with split_kv
+    its merge."""
     from ..codegen.api import make_spec
     from ..codegen.options import spec_options
 
@@ -116,6 +117,8 @@ def expand(variant: dict, archs: list[str], templates_take_others: bool = False)
                                **chosen))
         if kind == "bwd":  # planned as flex_attention's backward plans them
             specs += [make_spec(k, None, None, d, dt, arch) for k in ("bwd_preprocess", "bwd_postprocess")]
+        elif kind == "fwd" and specs[-1].option("split_kv"):  # (split_kv=True: decoding calls' forward and merge)
+            specs.append(make_spec("fwd_combine", None, None, d, dt, arch))
     return specs
 
 

@@ -10,7 +10,8 @@ import difflib
 from ..warnings_once import warn_once
 
 _TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
-_FLAGS = ("dropout", "debug", "fast_math", "device_debug", "precise_math", "pingpong", "persistent", "fold_score")
+_FLAGS = ("dropout", "debug", "fast_math", "device_debug", "precise_math", "pingpong", "persistent", "fold_score",
+          "split_kv")
 _FAMILIES = ("sm80", "sm90")
 # PyTorch's names, per pass: the forward's apply to every kernel but the backward's main one.
 _FORWARD_NAMES = {"BLOCK_M": "block_m", "BLOCK_N": "block_n"}
@@ -99,7 +100,8 @@ CALL_BWD_TILES = {"BLOCK_M1": "block_m", "BLOCK_N1": "block_n", "num_warps1": "n
 # deterministic: bitwise reproducible backward; precise_math: libm tanh/exp/log and IEEE division in score_mod;
 # pingpong: the sm90 forward's warpgroup turns; persistent: the sm90 grids of one CTA per SM; fold_score: the sm90
 # forward computes score_mods of two shapes (affine in the indices, a tanh soft cap) by terms of its own.
-CALL_FLAGS = ("deterministic", "precise_math", "pingpong", "persistent", "fold_score")
+# split_kv: the forward splits each query tile's keys over several CTAs (by default for at most 64 query rows).
+CALL_FLAGS = ("deterministic", "precise_math", "pingpong", "persistent", "fold_score", "split_kv")
 CALL_KNOWN = sorted({*CALL_FWD_TILES, *CALL_BWD_TILES, *CALL_FLAGS, "family"})
 # PyTorch's FlexKernelOptions that mean nothing to flexgen's kernels (Triton knobs, the dQ-only backward
 # tile BLOCK_M2 / BLOCK_N2, TMA and backend choices, internal output flags): accepted like PyTorch, and

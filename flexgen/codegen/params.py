@@ -66,12 +66,13 @@ class ParamStruct:
     def lines(self) -> tuple[Line, ...]:
         return tuple(e for e in self.entries if isinstance(e, Line))
 
-    def declaration(self, dropout: bool = False, max_scores: bool = False, tensor_maps: bool = False) -> str:
+    def declaration(self, dropout: bool = False, max_scores: bool = False, tensor_maps: bool = False,
+                    split_kv: bool = False) -> str:
         """The C struct, ModArgs last; the dropout members before it in kernels built with dropout, then the
-        row-max output in forward kernels that write it. With tensor_maps, the TMA descriptors come first
-        (templates/sm90/tma.cuh declares their type)."""
+        row-max output in forward kernels that write it, then the partial outputs of forward kernels that split
+        the keys. With tensor_maps, the TMA descriptors come first (templates/sm90/tma.cuh declares their type)."""
         out = [f"struct {self.name} {{"]
-        for entry in self._maps(tensor_maps) + self.entries + _optional(dropout, max_scores):
+        for entry in self._maps(tensor_maps) + self.entries + _optional(dropout, max_scores, split_kv):
             if isinstance(entry, str):
                 out.append(f"    // {entry}")
                 continue
@@ -80,15 +81,16 @@ class ParamStruct:
         out += ["    ModArgs mod;", "};"]
         return "\n".join(out)
 
-    def field_names(self, dropout: bool = False, max_scores: bool = False, tensor_maps: bool = False) -> list[str]:
-        lines = _lines(self._maps(tensor_maps)) + self.lines + _lines(_optional(dropout, max_scores))
+    def field_names(self, dropout: bool = False, max_scores: bool = False, tensor_maps: bool = False,
+                    split_kv: bool = False) -> list[str]:
+        lines = _lines(self._maps(tensor_maps)) + self.lines + _lines(_optional(dropout, max_scores, split_kv))
         return [n for line in lines for n in line.names]
 
     @functools.lru_cache(maxsize=None)
     def ctypes_type(self, mod_args_type: type, dropout: bool = False, max_scores: bool = False,
-                    tensor_maps: bool = False) -> type:
+                    tensor_maps: bool = False, split_kv: bool = False) -> type:
         """The ctypes mirror for one ModArgs layout (and the optional members the kernel was built with)."""
-        lines = _lines(self._maps(tensor_maps)) + self.lines + _lines(_optional(dropout, max_scores))
+        lines = _lines(self._maps(tensor_maps)) + self.lines + _lines(_optional(dropout, max_scores, split_kv))
         fields = [(n, ctype_of(line.ctype)) for line in lines for n in line.names] + [("mod", mod_args_type)]
         struct = type(self.name, (ctypes.Structure,), {"_fields_": fields})
         if tensor_maps and ctypes.sizeof(struct) % TENSOR_MAP_ALIGN:
@@ -118,11 +120,23 @@ MAX_SCORES: tuple[Entry, ...] = (
 )
 
 
+# Only in forward kernels built to split the keys of a query tile over several CTAs (spec option "split_kv",
+# templates/sm80/fwd.cu.j2), after the members above.
+SPLIT_KV: tuple[Entry, ...] = (
+    "Split keys (runtime/split_kv.py): CTA x walks the part x % kv_splits of its query tile's KV tiles and, with",
+    "more than one part, writes its O (normalised by its own row sums) and lse there; fwd_combine merges them.",
+    "A tile's row R is query row R % q_len of head blockIdx.y * packed_heads + R / q_len.",
+    _line("int", "kv_splits", comment="parts per query tile; 1: O and lse written directly"),
+    _line("int", "packed_heads", comment="query heads whose rows share a tile (GQA: up to kv_group; else 1)"),
+    _line("float*", "o_part", comment="(kv_splits, B, H, q_len, D) fp32"),
+    _line("float*", "lse_part", comment="(kv_splits, B, H, q_len), natural log; -inf: the part saw nothing"),
+)
+
 TENSOR_MAP_ALIGN = 64  # alignof(TensorMap), templates/sm90/tma.cuh
 
 
-def _optional(dropout: bool, max_scores: bool) -> tuple[Entry, ...]:
-    return (DROPOUT if dropout else ()) + (MAX_SCORES if max_scores else ())
+def _optional(dropout: bool, max_scores: bool, split_kv: bool = False) -> tuple[Entry, ...]:
+    return (DROPOUT if dropout else ()) + (MAX_SCORES if max_scores else ()) + (SPLIT_KV if split_kv else ())
 
 
 # The inputs (pointers each: one declaration per line) and the score scale, in both main kernels.
@@ -203,4 +217,15 @@ BWD_POST_PARAMS = ParamStruct("BwdPostParams", (
     _line("float", "scale"),
 ))
 
-PARAM_STRUCTS = {s.name: s for s in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, BWD_POST_PARAMS)}
+# sm80/fwd_combine.cu.j2: O and lse of a forward whose keys were split (SPLIT_KV above), from the parts.
+FWD_COMBINE_PARAMS = ParamStruct("FwdCombineParams", (
+    _line("const float*", "o_part", comment="(splits, B, H, q_len, D) fp32, each part normalised by its own sums"),
+    _line("const float*", "lse_part", comment="(splits, B, H, q_len), natural log"),
+    _line("half_bits*", "o", comment="(B, H, q_len, D) out"),
+    _line("float*", "lse", comment="(B, H, q_len) out"),
+    _strides("o"),
+    _line("long long", "part_rows", comment="B * H * q_len: rows between two parts"),
+    _line("int", "q_len", "num_heads", "num_splits"),
+))
+
+PARAM_STRUCTS = {s.name: s for s in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, BWD_POST_PARAMS, FWD_COMBINE_PARAMS)}

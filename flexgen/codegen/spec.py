@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from ..arch import SUPPORTED, capability
 from ..dsl.ir import Node
 
-KINDS = ("fwd", "bwd", "bwd_preprocess", "bwd_postprocess", "block_mask")
+KINDS = ("fwd", "fwd_combine", "bwd", "bwd_preprocess", "bwd_postprocess", "block_mask")
 DTYPES = ("bf16", "fp16")
 ARCHS = ("sm_90",) + SUPPORTED
 HEAD_DIMS = (32, 64, 96, 128, 256)

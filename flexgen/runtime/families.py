@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from ..arch import capability, shared_memory_limit
 from ..codegen.spec import HEAD_DIMS, KernelSpec
 from . import bwd_tiles
-from .schedule import (TAIL_REACH, TailChoice, chunk_by_tail, head_chunk, kv_tile_turns, l2_bytes, query_tile_order,
-                       sm_count, tile_counter)
+from .schedule import (TAIL_REACH, TailChoice, chunk_by_tail, head_chunk, kv_splits, kv_tile_turns, l2_bytes,
+                       query_tile_order, sm_count, tile_counter)
 
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
@@ -40,6 +40,7 @@ class Call:
     mask_loads: bool = False  # mask_mod reads a buffer
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
+    split_kv: bool = False  # a forward that splits each query tile's keys over several CTAs (runtime/split_kv.py)
 
 
 # A tile table row: (max head dim, (block_m, block_n, num_warps, num_stages)); the first row whose max head
@@ -109,7 +110,7 @@ class SM80(Family):
     """mma.sync, cp.async, ldmatrix: every GPU from sm_80 on, every kernel kind."""
 
     name = "sm80"
-    kinds = ("fwd", "bwd", "bwd_preprocess", "bwd_postprocess")
+    kinds = ("fwd", "fwd_combine", "bwd", "bwd_preprocess", "bwd_postprocess")
     head_dims = HEAD_DIMS
     FWD: Rows = ((64, (128, 64, 4, 2)),
                  (96, (128, 32, 4, 2)),  # 12 chunks per row: the general tile copy needs more registers
@@ -125,7 +126,11 @@ class SM80(Family):
     BWD_LEAN: Rows = ((32, (64, 128, 8, 2)),  # (64 x 64 at D=32 makes ptxas stop at 128 registers and spill)
                       (128, (64, 64, 8, 2)),  # half the dK, dV registers of BWD's tile
                       (256, (32, 64, 8, 2)))
-    PRE_POST = (64, 64, 4, 1)  # bwd_preprocess, bwd_postprocess: 64 rows per CTA, 4 warps
+    # The split-key forward (decoding: a few query rows, runtime/split_kv.py): one 16-row MMA tile per warp, since
+    # rows past the query's are computed for nothing, and two K/V stages, since the loads are what it waits for.
+    FWD_SPLIT: Rows = ((128, (64, 64, 4, 2)),
+                       (256, (64, 32, 4, 2)))
+    PRE_POST = (64, 64, 4, 1)  # bwd_preprocess, bwd_postprocess, fwd_combine: 64 rows per CTA, 4 warps
     # A score_mod that loads a different buffer element for every score (relative bias tables) needs address
     # registers next to the 128 x 64 tile's O and S, which then spills: such forward kernels take 32-column
     # KV tiles instead.
@@ -136,7 +141,9 @@ class SM80(Family):
 
     def tiles(self, call: Call) -> dict:
         lean = call.dropout or call.buffer_grads
-        if call.kind == "fwd":
+        if call.kind == "fwd" and call.split_kv:
+            tile = _row(self.FWD_SPLIT, call.head_dim)
+        elif call.kind == "fwd":
             tile = (lean and _row(self.FWD_LEAN, call.head_dim)) or _row(self.FWD, call.head_dim)
         elif call.kind == "bwd":
             tile = (lean and _row(self.BWD_LEAN, call.head_dim)) or _row(self.BWD, call.head_dim)
@@ -191,6 +198,18 @@ class SM80(Family):
             raise ValueError(f"flex_attention: kernel_options num_stages={cfg['num_stages']}; allowed values are "
                              f"{self.FWD_STAGES}")
 
+    def forward_grid(self, spec: KernelSpec, p, q, k, block_mask) -> tuple[tuple, tuple]:
+        if not spec.option("split_kv", False):
+            return super().forward_grid(spec, p, q, k, block_mask)
+        # Split keys: the query heads of a KV head share tiles where they can (packed_heads), and the parts of one
+        # query tile are neighbours along x.
+        batch, heads, q_len, _ = q.shape
+        p.packed_heads = packed = packed_heads(spec, heads // k.shape[1], q_len, block_mask)
+        query_tiles = -(-packed * q_len // spec.block_m)
+        p.kv_splits = kv_splits(query_tiles * (heads // packed) * batch, -(-k.shape[2] // spec.block_n),
+                                sm_count(q.device))
+        return (query_tiles * p.kv_splits, heads // packed, batch), ()
+
     def shared_memory_estimate(self, spec: KernelSpec) -> int:
         """The backward's shared memory before it is compiled (the tile search's measure)."""
         return bwd_tiles.shared_memory_bytes(spec.head_dim, spec.block_m, spec.block_n, spec.num_stages)
@@ -233,6 +252,8 @@ class SM90(Family):
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
 
     def _refusal(self, call: Call) -> str | None:
+        if call.split_kv:
+            return "it does not split a query tile's keys (split_kv: the sm80 forward's decoding path)"
         if call.buffer_grads and call.deterministic:
             # (ptxas fails on them at D = 64, C7600, and a relative-bias table spills 340 B at D = 128)
             return "it computes buffer gradients only in non-deterministic mode"
@@ -322,6 +343,17 @@ class SM90(Family):
         if turns is not None:
             p.kv_turns = turns.data_ptr()
         return (ctas, 1, 1), (turns,)
+
+
+def packed_heads(spec: KernelSpec, kv_group: int, q_len: int, block_mask) -> int:
+    """How many query heads share the rows of a split-key tile: a KV head's whole group (each KV tile is then read
+    once for all of them), where the block mask's lists are the same for every head (made for H = 1) and the query
+    lies in its first query block; not with dropout, whose draw is per (head, row) pair of a 16-row MMA tile."""
+    if kv_group == 1 or spec.dropout:
+        return 1
+    if block_mask is not None and (block_mask.kv_num_blocks.shape[1] != 1 or q_len > block_mask.BLOCK_SIZE[0]):
+        return 1
+    return kv_group
 
 
 # In order of preference: a call gets the first family that does not refuse it.

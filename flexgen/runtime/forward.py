@@ -23,6 +23,7 @@ from .call_checks import check_block_grid, empty_like_layout
 from .coarse_rows import coarse_rows
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
+from .split_kv import Combine
 from .streams import current_stream_ptr
 from .tensor_maps import map_layout
 
@@ -48,7 +49,8 @@ def forward_params(spec: KernelSpec, mod_args, q, k, v, out_strides: tuple[int, 
     kv_heads, kv_len = k.shape[1], k.shape[2]
     writes_max = bool(spec.option("max_scores", False))
     family = families.of(spec)
-    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max, family.tensor_maps)()
+    p = FWD_PARAMS.ctypes_type(type(mod_args), spec.dropout, writes_max, family.tensor_maps,
+                               bool(spec.option("split_kv", False)))()
     p.q_stride_b, p.q_stride_h, p.q_stride_l, _ = q.stride()
     p.k_stride_b, p.k_stride_h, p.k_stride_l, _ = k.stride()
     p.v_stride_b, p.v_stride_h, p.v_stride_l, _ = v.stride()
@@ -87,8 +89,9 @@ class ForwardLaunch:
     struct carries (the mask's lists, the buffers, the work order), not the mask or the mods themselves."""
 
     def __init__(self, kernel, spec: KernelSpec, params, grid: tuple, copies: tuple[bool, bool, bool], keep: tuple,
-                 late_fields: tuple = ()):
+                 late_fields: tuple = (), combine: Combine | None = None):
         self.kernel, self.spec, self.family = kernel, spec, families.of(spec)
+        self.combine = combine  # split keys: the parts' merge (runtime/split_kv.py)
         self.params, self.copies, self._keep = params, copies, keep
         self._late_fields = late_fields  # fields known only after planning: each fills p at every launch
         self.grid, self.threads = dim3(grid), dim3(self.family.threads_per_cta(spec))
@@ -121,9 +124,15 @@ class ForwardLaunch:
             p.max_scores = row_max.data_ptr()
         for field in self._late_fields:
             field.fill(p)
+        parts = None
+        if self.combine is not None:
+            parts = self.combine.parts(query.device)
+            p.o_part, p.lse_part = parts[0].data_ptr(), parts[1].data_ptr()
         stream = current_stream_ptr(query.device)
         self.family.stream_fields(p, query.device, stream)
         self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream, p)
+        if parts is not None:
+            self.combine.run(*parts, out, lse, stream)
         return out, lse, row_max
 
 
@@ -138,7 +147,7 @@ def _planned(query, key, score, bm, mask, kernel_options, dropout_p: float, max_
     """The spec, and the block mask its kernel walks (checked against the inputs and the tile)."""
     spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
                      mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores,
-                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod)
+                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod, kv_heads=key.shape[1])
     return spec, (kernel_block_mask(bm, query, key, spec) if bm is not None else None)
 
 
@@ -154,7 +163,9 @@ def _launch_for(spec: KernelSpec, bm, query, key, value, score, mask, scale: flo
     mask_lists = () if bm is None else tuple(getattr(bm, f) for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                                                                          "full_kv_indices"))
     late_fields = tuple(x for x in schedule if hasattr(x, "fill"))  # (families.Family.forward_grid)
-    return ForwardLaunch(kernel, spec, p, grid, copies, (mask_lists, buffers, mod_args, schedule), late_fields)
+    combine = Combine(query, out_strides, p.kv_splits) if spec.option("split_kv", False) and p.kv_splits > 1 else None
+    return ForwardLaunch(kernel, spec, p, grid, copies, (mask_lists, buffers, mod_args, schedule), late_fields,
+                         combine)
 
 
 def kernel_block_mask(bm: BlockMask, query, key, spec: KernelSpec) -> BlockMask:

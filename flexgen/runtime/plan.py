@@ -61,7 +61,8 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
                 score_folds=score_expr is not None and _score_folds(kind, score_expr, extra),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
-                max_scores=bool(dict(extra).get("max_scores", False)))
+                max_scores=bool(dict(extra).get("max_scores", False)),
+                split_kv=bool(dict(extra).get("split_kv", False)))
     chosen = choose(call, family)
     return KernelSpec(kind=kind, head_dim=head_dim, dtype=dtype, arch=arch, family=chosen.name, **chosen.tiles(call),
                       score_expr=score_expr, mask_expr=mask_expr, grad_buffers=grad_buffers, dropout=dropout,
@@ -88,16 +89,22 @@ def _operations(expr: Node) -> int:
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False, grad_buffers: tuple[str, ...] = (),
               mask_block: tuple[int, int] | None = None, max_scores: bool = False,
-              blocks_follow_mask: bool = False) -> KernelSpec:
+              blocks_follow_mask: bool = False, kv_heads: int | None = None) -> KernelSpec:
     """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
     dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients,
-    the block mask's BLOCK_SIZE and whether its lists follow its mask_mod, and whether a forward writes
-    max_scores."""
+    the block mask's BLOCK_SIZE and whether its lists follow its mask_mod, whether a forward writes
+    max_scores, and whether it is a decoding call (at most SHORT_QUERY_ROWS query rows per KV head, of
+    `kv_heads`: the query's heads where not given)."""
     options = tuple(sorted((kernel_options or {}).items()))
+    # (a symbolic size under torch.compile's dynamic shapes counts as long: no guard on it is added here)
+    q_len, heads = (query.shape[-2], query.shape[1]) if query.dim() == 4 else (0, 1)
+    group = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 else 1
+    short_query = kind == "fwd" and isinstance(q_len, int) and isinstance(group, int) and \
+        q_len * group <= SHORT_QUERY_ROWS
     # (int: under torch.compile with dynamic shapes the head dim is a SymInt; a kernel is specialised on it)
     args = (kind, query.dtype, int(query.shape[-1]), query.device, score.expr if score is not None else None,
             mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores,
-            bool(blocks_follow_mask))
+            bool(blocks_follow_mask), short_query)
     try:
         hash(options)
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
@@ -107,7 +114,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
                kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block, max_scores: bool = False,
-               blocks_follow_mask: bool = False) -> KernelSpec:
+               blocks_follow_mask: bool = False, short_query: bool = False) -> KernelSpec:
     from ..arch import current_arch
 
     options = call_options(dict(kernel_options))
@@ -116,9 +123,11 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
         tiles = {field: int(options[name]) for name, field in CALL_FWD_TILES.items() if name in options}
     else:
         tiles = backward_tiles if kind == "bwd" else {}
-    flags = [(k, bool(v)) for k, v in options.items() if k in CALL_FLAGS and k != "deterministic"]
+    flags = [(k, bool(v)) for k, v in options.items() if k in CALL_FLAGS and k not in ("deterministic", "split_kv")]
     if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
         flags.append(("max_scores", True))
+    if kind == "fwd" and splits_keys(options, tiles, short_query, max_scores):
+        flags.append(("split_kv", True))
     flags = tuple(sorted(flags))
     return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
                 family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
@@ -127,6 +136,27 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
 
 
 _make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)
+
+
+# A forward of at most this many query rows per KV head (decoding: the query rows times the GQA group, which share
+# a tile of the split-key forward) splits each query tile's keys over several CTAs. (Measured on an H200 at D = 128:
+# 16 rows x 4 heads ran 1.28x faster split, 64 rows x 8 heads 1.44x slower: its 512 rows per KV head fill the
+# usual forward's tiles, and the 64-row mma.sync tiles are slower than wgmma's.)
+SHORT_QUERY_ROWS = 64
+
+
+def splits_keys(options: dict, tiles: dict, short_query: bool, max_scores: bool) -> bool:
+    """Whether a forward runs the split-key kernel (sm80's fwd with split_kv, runtime/split_kv.py): where
+    kernel_options say split_kv=True, or by default for a short query unless the call chose a family or a tile.
+    Not with max_scores (its row max is not merged across parts)."""
+    if max_scores:
+        if options.get("split_kv", False):
+            raise ValueError("flex_attention: kernel_options split_kv=True cannot be combined with "
+                             "return_aux=AuxRequest(max_scores=True); drop one of them")
+        return False
+    if "split_kv" in options:
+        return bool(options["split_kv"])
+    return short_query and "family" not in options and not tiles
 
 
 def bwd_tile_overrides(kernel_options: dict | None) -> dict:

@@ -210,3 +210,20 @@ def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     if counter is None:
         counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
+
+
+# Split keys (runtime/split_kv.py), parts per query tile: enough CTAs for CTAS_PER_SM on every SM (the split
+# kernel's 64 x 64 tile leaves room for three or four per SM), none shorter than MIN_TILES_PER_PART KV tiles (each
+# part costs a row of fp32 partials and its own prologue), at most MAX_SPLITS.
+CTAS_PER_SM = 2
+MIN_TILES_PER_PART = 4
+MAX_SPLITS = 64
+
+
+def kv_splits(query_tiles: int, kv_tiles: int, sms: int) -> int:
+    """How many parts each of `query_tiles` query tiles (over all batches and heads) is split into, for a KV
+    sequence of `kv_tiles` tiles on a GPU of `sms` SMs."""
+    if query_tiles <= 0 or kv_tiles <= 0:
+        return 1
+    wanted = -(-CTAS_PER_SM * sms // query_tiles)
+    return max(1, min(wanted, kv_tiles // MIN_TILES_PER_PART, MAX_SPLITS))

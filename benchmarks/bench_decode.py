@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Decoding-shaped calls (a few query rows against a long key/value cache), flexgen beside compiled
+FlexAttention (which switches to its split-KV decoding kernel below 128 query rows), SDPA and FlashAttention-4
+(where it imports), on the same inputs in one process; flexgen also with split_kv=False (its usual forward).
+
+    python3 benchmarks/bench_decode.py [--cases B:HQ:HKV:LQ:LKV:D,...] [--rep 100]
+
+Such calls are bound by memory, so besides the kernel time (median of triton's do_bench) the table gives the
+bandwidth that time implies: the bytes of Q, K, V and O read or written once, over the time. Every
+output is checked against a float32 reference first (max |diff| printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+DEFAULT_CASES = ("1:32:8:1:32768:128,8:32:8:1:8192:128,32:32:8:1:4096:128,1:32:32:1:32768:128,"
+                 "4:32:8:4:16384:128,4:32:8:16:16384:128,2:32:4:64:8192:128,1:16:16:16:65536:64")
+
+
+def parse_cases(text: str) -> list[tuple[int, ...]]:
+    cases = []
+    for item in text.split(","):
+        parts = tuple(int(x) for x in item.split(":"))
+        if len(parts) != 6:
+            raise SystemExit(f"bench_decode: a case is B:HQ:HKV:LQ:LKV:D, got {item!r}")
+        cases.append(parts)
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=DEFAULT_CASES)
+    parser.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
+    args = parser.parse_args()
+
+    import triton.testing
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    import flexgen
+
+    compiled_flex = torch.compile(torch_flex, dynamic=False)
+    try:  # FlashAttention-4 where benchmarks/fa4_setup.sh installed it
+        from flash_attn.cute.interface import flash_attn_func as fa4
+    except Exception:
+        fa4 = None
+    rows = []
+    for b, hq, hkv, lq, lkv, d in parse_cases(args.cases):
+        torch.manual_seed(0)
+        q = torch.randn(b, hq, lq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, lkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gqa = hq != hkv
+        kr, vr = (t.float().repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+        ref = torch.softmax(q.float() @ kr.transpose(-1, -2) / d ** 0.5, dim=-1) @ vr
+        impls = {
+            "flexgen": lambda: flexgen.flex_attention(q, k, v, enable_gqa=gqa),
+            "flexgen-unsplit": lambda: flexgen.flex_attention(q, k, v, enable_gqa=gqa,
+                                                              kernel_options={"split_kv": False}),
+            "flex": lambda: compiled_flex(q, k, v, enable_gqa=gqa),
+            "sdpa-flash": lambda: _sdpa(F, sdpa_kernel, SDPBackend.FLASH_ATTENTION, q, k, v, gqa),
+            "sdpa-cudnn": lambda: _sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION, q, k, v, gqa),
+            "sdpa-efficient": lambda: _sdpa(F, sdpa_kernel, SDPBackend.EFFICIENT_ATTENTION, q, k, v, gqa),
+        }
+        if fa4 is not None:  # (B, L, H, D) copies made once, outside the timing
+            qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            impls["fa4"] = lambda: fa4(qt, kt, vt)[0].transpose(1, 2)
+        moved = (q.numel() * 2 + k.numel() + v.numel()) * 2  # Q read, O written, K and V read (bf16)
+        for name, fn in impls.items():
+            try:
+                out = fn()
+                err = (out.float() - ref).abs().max().item()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep)
+                rows.append((b, hq, hkv, lq, lkv, d, name, ms * 1e3, moved / (ms * 1e-3) / 1e9, err))
+            except Exception as e:  # a peer without this shape is recorded, not fatal
+                rows.append((b, hq, hkv, lq, lkv, d, name, float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:80]))
+    print("| B | HQ | HKV | LQ | LKV | D | impl | us | GB/s | max abs err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        err = r[9] if isinstance(r[9], str) else f"{r[9]:.2e}"
+        print(f"| {' | '.join(str(x) for x in r[:7])} | {r[7]:.1f} | {r[8]:.0f} | {err} |")
+
+
+def _sdpa(F, sdpa_kernel, backend, q, k, v, gqa):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+
+if __name__ == "__main__":
+    main()
