@@ -175,3 +175,20 @@ def test_a_decoding_step_in_a_cuda_graph(merges):
         torch.cuda.synchronize()
         fwd.assert_matches(out, lse, q, k, v, None, None, gqa=True, seed=seed, what="CUDA graph replay")
     assert merges and min(merges) > 1
+
+
+@gpu
+def test_gqa_heads_sharing_a_tile_in_one_part(merges, packs):
+    """Many sequences over a short cache: one part per tile (the forward writes O and lse itself) with the query
+    heads of a KV head sharing the tile."""
+    fwd.check_variant("alibi", fwd.Shape(64, 8, 2, 200), 64, torch.bfloat16, gqa_kv_heads=2)
+    assert merges == [] and packs == [4]
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["blhd", "bhdl", "offset"])
+def test_decoding_inputs_in_other_layouts(layout, merges):
+    """(B, L, H, D) views, a strided last dimension and offset views: the packed rows' addresses and the output in
+    the query's dimension order."""
+    fwd.check_variant("softcap", fwd.Shape(2, 8, 3, 3000), 64, torch.bfloat16, gqa_kv_heads=2, layout=layout)
+    assert merges and min(merges) > 1
