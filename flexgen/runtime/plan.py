@@ -99,8 +99,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     # (a symbolic size under torch.compile's dynamic shapes counts as long: no guard on it is added here)
     q_len, heads = (query.shape[-2], query.shape[1]) if query.dim() == 4 else (0, 1)
     group = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 else 1
-    short_query = kind == "fwd" and isinstance(q_len, int) and isinstance(group, int) and \
-        q_len * group <= SHORT_QUERY_ROWS
+    short_query = kind == "fwd" and isinstance(q_len, int) and q_len * group <= SHORT_QUERY_ROWS
     # (int: under torch.compile with dynamic shapes the head dim is a SymInt; a kernel is specialised on it)
     args = (kind, query.dtype, int(query.shape[-1]), query.device, score.expr if score is not None else None,
             mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores,
