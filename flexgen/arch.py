@@ -31,6 +31,15 @@ SUPPORTED = tuple(_name(major, minor, a) for major, minors in _MINORS.items() fo
 # Dynamic shared memory one CTA may use, per compute capability major.minor (the default: the smallest).
 _SHARED_MEMORY_LIMIT = {(8, 0): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024, (10, 3): 227 * 1024}
 _SHARED_MEMORY_DEFAULT = 99 * 1024
+# Per SM, by compute capability (the default: the smallest): resident threads and CTAs. Every target has 64k
+# registers per SM in four quarters, allocated per warp in units of 256, and reserves 1 KB of shared memory per CTA.
+_THREADS_PER_SM = {(8, 0): 2048, (9, 0): 2048, (10, 0): 2048, (10, 3): 2048}
+_THREADS_PER_SM_DEFAULT = 1536
+_CTAS_PER_SM = {(8, 0): 32, (8, 9): 24, (9, 0): 32, (10, 0): 32, (10, 3): 32}
+_CTAS_PER_SM_DEFAULT = 16
+_REGISTERS_PER_QUARTER = 16384
+_REGISTER_UNIT = 256
+_SHARED_RESERVED_PER_CTA = 1024
 
 
 class UnsupportedArchError(RuntimeError):
@@ -145,3 +154,16 @@ def capability(arch: str) -> tuple[int, int]:
 def shared_memory_limit(arch: str) -> int:
     """Dynamic shared memory one CTA may use on a target."""
     return _SHARED_MEMORY_LIMIT.get(capability(arch), _SHARED_MEMORY_DEFAULT)
+
+
+def resident_ctas(arch: str, threads: int, registers: int, shared_bytes: int) -> int:
+    """How many CTAs of a kernel (threads per CTA, registers per thread, dynamic shared memory per CTA) one SM
+    holds at once on a target: the least of what its threads, registers and shared memory allow (at least 1)."""
+    cap = capability(arch)
+    warps = -(-threads // 32)
+    by_threads = _THREADS_PER_SM.get(cap, _THREADS_PER_SM_DEFAULT) // (32 * warps)
+    per_warp = -(-registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
+    by_registers = 4 * (_REGISTERS_PER_QUARTER // per_warp) // warps if per_warp else by_threads
+    shared_per_sm = shared_memory_limit(arch) + _SHARED_RESERVED_PER_CTA
+    by_shared = shared_per_sm // (shared_bytes + _SHARED_RESERVED_PER_CTA)
+    return max(1, min(by_threads, by_registers, by_shared, _CTAS_PER_SM.get(cap, _CTAS_PER_SM_DEFAULT)))

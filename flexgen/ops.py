@@ -147,7 +147,8 @@ def check_traced_call(q: Tensor, k: Tensor, mask_tensors: tuple, scale: float, v
     options = call_options(var.kernel_options)
     if q.device.type == "cuda" and not unfused:
         spec = make_spec("fwd", q, var.score, var.mask, options, dropout=dropout, mask_block=var.block_size,
-                         max_scores=return_max, blocks_follow_mask=var.blocks_follow_mask, kv_heads=k.shape[1])
+                         max_scores=return_max, blocks_follow_mask=var.blocks_follow_mask, kv_heads=k.shape[1],
+                         kv_len=k.shape[2])
         if bm is not None:
             _forward_pass.check_block_tiles(bm, spec)  # (the grid was checked above)
 

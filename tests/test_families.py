@@ -233,28 +233,91 @@ def test_a_decoding_query_plans_the_split_key_forward(monkeypatch, head_dim):
             planning.make_spec("fwd", short, None, None, {"split_kv": True, "family": "sm90"})
 
 
+def test_a_short_query_against_a_long_cache_splits_where_the_usual_grid_is_small(monkeypatch):
+    """Past 64 rows per KV head a forward splits only as a short query against a long cache (at most 512 rows per
+    KV head, at least 4096 keys and 8 times the query's rows) whose split tiles of 64 rows, weighted by D / 64, are
+    no more than the GPU's SMs; symbolic sizes and devices other than CUDA keep the 64-row rule."""
+    import types as _types
+
+    monkeypatch.setattr(planning, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+
+    def query(b, h, lq, device=cuda):
+        return _types.SimpleNamespace(shape=(b, h, lq, 128), device=device)
+
+    short = planning.is_short_query
+    assert short(query(1, 32, 1), 8, 32768) and short(query(64, 32, 16), 8, 128)  # <= 64 rows: any grid, any cache
+    assert short(query(2, 32, 64), 4, 8192)  # 512 rows per KV head: 8 tiles x 4 heads x 2 sequences x 2 (D)
+    assert short(query(4, 32, 32), 8, 8192)  # 128 rows per KV head: 2 x 8 x 4 x 2
+    assert short(query(1, 16, 128), 16, 32768)
+    assert not short(query(4, 32, 64), 4, 8192)  # 8 x 4 x 4 x 2 = 256 (measured: split 163 us, usual 103)
+    assert not short(query(1, 32, 65), 4, 8192)  # 520 rows per KV head
+    assert not short(query(1, 4, 300), 4, 300)  # a short cache
+    assert not short(query(1, 4, 1024), 4, 4096)  # keys fewer than 8 times the query's rows
+    assert short(query(1, 4, 300), 4, 5000)  # 300 rows, 5000 keys: 5 x 4 x 2
+    assert not short(query(1, 4, 300, torch.device("meta")), 4, 5000)
+    symbolic = _types.SimpleNamespace(shape=(1, 4, object(), 128), device=cuda)
+    assert not short(symbolic, 4, 5000)
+
+
 def test_the_split_key_grid_deals_each_query_tile_into_parts(monkeypatch):
     """The grid's x holds the parts of each query tile side by side and y the groups of query heads that share a
-    tile (a KV head's, under GQA); kv_splits fills the GPU without parts shorter than MIN_TILES_PER_PART KV tiles,
-    and never splits a KV sequence of fewer tiles than that."""
+    tile (a KV head's, under GQA); the parts fill the CTAs the GPU holds at once (SMs times the kernel's CTAs per
+    SM) without spilling into a second wave."""
     from flexgen.runtime import schedule
 
     monkeypatch.setattr(families, "sm_count", lambda device: 132)
+    monkeypatch.setattr(families, "ctas_per_sm", lambda spec: 2)
     spec = planning.plan("fwd", "sm_90a", 128, "bf16", extra=(("split_kv", True),))
     p = types.SimpleNamespace()
     q = torch.empty(1, 32, 1, 128, device="meta")
     k = torch.empty(1, 8, 32768, 128, device="meta")
     grid, _ = families.of(spec).forward_grid(spec, p, q, k, None)
     assert p.packed_heads == 4  # one tile holds the 4 query heads of a KV head: 8 tiles
-    assert p.kv_splits == schedule.kv_splits(8, 32768 // 64, 132) == 33  # ceil(2 * 132 / 8)
-    assert grid == (33, 8, 1)
+    assert p.kv_splits == schedule.kv_splits(8, 32768 // 64, 264) == 32  # 256 of the 264 CTAs, 16 tiles each
+    assert grid == (32, 8, 1)
     mha = torch.empty(1, 32, 32768, 128, device="meta")  # (a KV head per query head)
     grid, _ = families.of(spec).forward_grid(spec, p, q, mha, None)
-    assert p.packed_heads == 1 and grid == (9 * 1, 32, 1)  # ceil(2 * 132 / 32) = 9 parts
-    assert schedule.kv_splits(1024, 64, 132) == 1  # enough query tiles already
-    assert schedule.kv_splits(1, 3, 132) == 1  # too few KV tiles to split
-    assert schedule.kv_splits(1, 10_000, 132) == schedule.MAX_SPLITS
-    assert schedule.kv_splits(4, 16, 132) == 16 // schedule.MIN_TILES_PER_PART
+    assert p.packed_heads == 1 and grid == (8 * 1, 32, 1)  # 9 parts would put 24 CTAs into a second wave
+
+
+def test_kv_splits_follows_the_wave_model():
+    """Parts per query tile: one wave where that is fastest (rounding up to fill the GPU put a few CTAs into a
+    second wave and doubled the time), none shorter than MIN_TILES_PER_PART KV tiles, at most MAX_SPLITS, and
+    the fewest parts among equally fast counts."""
+    from flexgen.runtime import schedule
+
+    assert schedule.kv_splits(1024, 64, 264) == 1  # enough query tiles already
+    assert schedule.kv_splits(1, 3, 264) == 1  # too few KV tiles to split
+    assert schedule.kv_splits(4, 16, 264) == 16 // schedule.MIN_TILES_PER_PART
+    assert schedule.kv_splits(1, 100_000, 264) == schedule.MAX_SPLITS
+    for query_tiles, kv_tiles, slots in ((8, 512, 264), (32, 512, 264), (256, 64, 264), (3, 1000, 660),
+                                         (133, 512, 264), (40, 4096, 528)):
+        splits = schedule.kv_splits(query_tiles, kv_tiles, slots)
+
+        def modeled(s):
+            waves = -(-query_tiles * s // slots)
+            return waves * (-(-kv_tiles // s) + schedule.PART_OVERHEAD_TILES)
+
+        allowed = range(1, min(kv_tiles // schedule.MIN_TILES_PER_PART, schedule.MAX_SPLITS) + 1)
+        assert modeled(splits) == min(modeled(s) for s in allowed)
+        assert all(modeled(s) > modeled(splits) for s in allowed if s < splits)
+    assert schedule.kv_splits(32, 512, 264) * 32 <= 264  # one wave
+
+
+def test_resident_ctas_counts_the_tightest_resource():
+    """CTAs per SM from threads, registers (per warp in units of 256, in four quarters) and shared memory (1 KB
+    reserved per CTA), per target; what the split-key forward's parts are sized by."""
+    from flexgen.arch import resident_ctas
+
+    assert resident_ctas("sm_90a", 128, 159, 87040) == 2  # shared memory: 228 KB / (85 + 1 KB)
+    assert resident_ctas("sm_90a", 128, 32, 0) == 16  # threads: 2048 / 128
+    assert resident_ctas("sm_90a", 128, 64, 0) == 8  # registers: 64k / (128 x 64)
+    assert resident_ctas("sm_90a", 384, 168, 0) == 1  # registers: 3 warps of 168 per quarter, 12 warps a CTA
+    assert resident_ctas("sm_90a", 32, 32, 0) == 32  # the CTA limit
+    assert resident_ctas("sm_80", 128, 159, 87040) == 1  # 164 KB on sm_80
+    assert resident_ctas("sm_86", 128, 32, 0) == 12  # 1536 threads on sm_86
+    assert resident_ctas("sm_90a", 1024, 255, 0) == 1  # (never below one)
 
 
 def test_split_keys_pack_a_kv_heads_query_heads_only_where_every_row_walks_the_same_tiles():

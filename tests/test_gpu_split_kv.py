@@ -1,4 +1,4 @@
-"""Decoding-shaped forwards (at most 64 query rows) on the GPU: the split-key forward and its merge
+"""Decoding-shaped forwards (a few query rows against a long cache) on the GPU: the split-key forward and its merge
 (runtime/split_kv.py) against the float64 ground truth, with the bar of test_gpu_forward.py (twice PyTorch's own
 low-precision error); gradients through such a forward with test_gpu_backward.py's.
 
@@ -192,3 +192,23 @@ def test_decoding_inputs_in_other_layouts(layout, merges):
     the query's dimension order."""
     fwd.check_variant("softcap", fwd.Shape(2, 8, 3, 3000), 64, torch.bfloat16, gqa_kv_heads=2, layout=layout)
     assert merges and min(merges) > 1
+
+
+@gpu
+@pytest.mark.parametrize("name", ["none", "alibi", "decode_causal", "decode_sinks"])
+def test_a_prefill_chunk_against_a_long_cache_is_split(name, merges):
+    """More than 64 rows per KV head (here 100 x 4) against a long cache, on a grid of few work tiles: split too
+    (plan.is_short_query), with the chunk's causal offset where the mask has one."""
+    s = fwd.Shape(1, 8, 100, 5000)
+    if name.startswith("decode_"):
+        _check_decode_mask(name, s, 128, torch.bfloat16, gqa_kv_heads=2)
+    else:
+        fwd.check_variant(name, s, 128, torch.bfloat16, gqa_kv_heads=2)
+    assert merges and min(merges) > 1
+
+
+@gpu
+def test_a_query_as_long_as_its_cache_is_not_split(merges):
+    """Rows past 64 per KV head with keys fewer than 8 times them: the usual forward."""
+    fwd.check_variant("causal", fwd.Shape(1, 2, 300, 2000), 128, torch.bfloat16)
+    assert merges == []

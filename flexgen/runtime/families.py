@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import capability, shared_memory_limit
+from ..arch import capability, resident_ctas, shared_memory_limit
+from ..cache.jit import get_kernel
 from ..codegen.spec import HEAD_DIMS, KernelSpec
 from . import bwd_tiles
+from .kernel_symbols import shared_memory_bytes
 from .schedule import (TAIL_REACH, TailChoice, chunk_by_tail, head_chunk, kv_splits, kv_tile_turns, l2_bytes,
                        query_tile_order, sm_count, tile_counter)
 
@@ -207,7 +209,7 @@ class SM80(Family):
         p.packed_heads = packed = packed_heads(spec, heads // k.shape[1], q_len, block_mask)
         query_tiles = -(-packed * q_len // spec.block_m)
         p.kv_splits = kv_splits(query_tiles * (heads // packed) * batch, -(-k.shape[2] // spec.block_n),
-                                sm_count(q.device))
+                                ctas_per_sm(spec) * sm_count(q.device))
         return (query_tiles * p.kv_splits, heads // packed, batch), ()
 
     def shared_memory_estimate(self, spec: KernelSpec) -> int:
@@ -343,6 +345,13 @@ class SM90(Family):
         if turns is not None:
             p.kv_turns = turns.data_ptr()
         return (ctas, 1, 1), (turns,)
+
+
+def ctas_per_sm(spec: KernelSpec) -> int:
+    """How many CTAs of the compiled kernel one SM holds at once (its registers and shared memory)."""
+    kernel = get_kernel(spec)
+    return resident_ctas(spec.arch, of(spec).threads_per_cta(spec), kernel.resources["registers"],
+                         shared_memory_bytes(kernel))
 
 
 def packed_heads(spec: KernelSpec, kv_group: int, q_len: int, block_mask) -> int:

@@ -147,7 +147,8 @@ def _planned(query, key, score, bm, mask, kernel_options, dropout_p: float, max_
     """The spec, and the block mask its kernel walks (checked against the inputs and the tile)."""
     spec = make_spec("fwd", query, score, mask, kernel_options, dropout=dropout_p > 0,
                      mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None, max_scores=max_scores,
-                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod, kv_heads=key.shape[1])
+                     blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod, kv_heads=key.shape[1],
+                     kv_len=key.shape[2])
     return spec, (kernel_block_mask(bm, query, key, spec) if bm is not None else None)
 
 

@@ -18,6 +18,7 @@ from ..dsl.graph import postorder
 from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
 from .families import TILE_FIELDS, Call, choose
+from .schedule import sm_count
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # kernel_options come checked from codegen/options.py's one table (names, values, PyTorch's ignored names).
@@ -89,17 +90,15 @@ def _operations(expr: Node) -> int:
 def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | None, kernel_options: dict | None,
               dropout: bool = False, grad_buffers: tuple[str, ...] = (),
               mask_block: tuple[int, int] | None = None, max_scores: bool = False,
-              blocks_follow_mask: bool = False, kv_heads: int | None = None) -> KernelSpec:
+              blocks_follow_mask: bool = False, kv_heads: int | None = None, kv_len: int | None = None) -> KernelSpec:
     """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
     dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients,
     the block mask's BLOCK_SIZE and whether its lists follow its mask_mod, whether a forward writes
-    max_scores, and whether it is a decoding call (at most SHORT_QUERY_ROWS query rows per KV head, of
-    `kv_heads`: the query's heads where not given)."""
+    max_scores, and whether it is a decoding-shaped call (is_short_query, against `kv_heads` heads of `kv_len` keys:
+    the query's heads and length where not given)."""
     options = tuple(sorted((kernel_options or {}).items()))
     # (a symbolic size under torch.compile's dynamic shapes counts as long: no guard on it is added here)
-    q_len, heads = (query.shape[-2], query.shape[1]) if query.dim() == 4 else (0, 1)
-    group = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 else 1
-    short_query = kind == "fwd" and isinstance(q_len, int) and q_len * group <= SHORT_QUERY_ROWS
+    short_query = kind == "fwd" and query.dim() == 4 and is_short_query(query, kv_heads, kv_len)
     # (int: under torch.compile with dynamic shapes the head dim is a SymInt; a kernel is specialised on it)
     args = (kind, query.dtype, int(query.shape[-1]), query.device, score.expr if score is not None else None,
             mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores,
@@ -137,11 +136,37 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
 _make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)
 
 
-# A forward of at most this many query rows per KV head (decoding: the query rows times the GQA group, which share
-# a tile of the split-key forward) splits each query tile's keys over several CTAs. (Measured on an H200 at D = 128:
-# 16 rows x 4 heads ran 1.28x faster split, 64 rows x 8 heads 1.44x slower: its 512 rows per KV head fill the
-# usual forward's tiles, and the 64-row mma.sync tiles are slower than wgmma's.)
+# A forward of at most SHORT_QUERY_ROWS query rows per KV head (decoding: the query rows times the GQA group, which
+# share a tile of the split-key forward) splits each query tile's keys over several CTAs. So does a short query
+# against a long cache (a prefill chunk, speculative tokens: at most FEW_QUERY_ROWS rows per KV head, at least
+# LONG_CACHE_KEYS keys and LONG_CACHE_RATIO times the query's rows) while the split's 64-row tiles, weighted by
+# D / 64, are no more than the GPU's SMs: past that its mma.sync tiles, not memory, set the pace, and the usual
+# forward's wgmma tiles win. (H200, split against usual, us: D = 128, 512 rows x 8 KV heads over 8k keys 95 against
+# 101 and x 16 heads 163 against 103; 128 rows x 32 heads 91 against 104; 256 rows x 8 heads over 32k 175
+# against 371; D = 64, 256 rows x 32 heads 90 against 105.)
 SHORT_QUERY_ROWS = 64
+FEW_QUERY_ROWS = 512
+LONG_CACHE_KEYS = 4096
+LONG_CACHE_RATIO = 8
+SPLIT_BLOCK_M = 64
+
+
+def is_short_query(query: torch.Tensor, kv_heads: int | None = None, kv_len: int | None = None) -> bool:
+    """Whether a forward over `query` (B, H, L, D) against `kv_heads` KV heads of `kv_len` keys (the query's heads
+    and length where not given) is decoding-shaped (above). A symbolic size under torch.compile's dynamic shapes
+    counts as long: no guard on it is added here."""
+    batch, heads, q_len = query.shape[:3]
+    kv_len = q_len if kv_len is None else kv_len
+    if not all(isinstance(x, int) for x in (batch, heads, q_len, kv_len)):
+        return False
+    group = heads // kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else 1
+    rows = q_len * group
+    if rows <= SHORT_QUERY_ROWS:
+        return True
+    if rows > FEW_QUERY_ROWS or kv_len < max(LONG_CACHE_KEYS, LONG_CACHE_RATIO * q_len) or query.device.type != "cuda":
+        return False
+    split_tiles = -(-rows // SPLIT_BLOCK_M) * (heads // group) * batch
+    return split_tiles * max(1, query.shape[3] // 64) <= sm_count(query.device)
 
 
 def splits_keys(options: dict, tiles: dict, short_query: bool, max_scores: bool) -> bool:

@@ -212,18 +212,26 @@ def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     return counter
 
 
-# Split keys (runtime/split_kv.py), parts per query tile: enough CTAs for CTAS_PER_SM on every SM (the split
-# kernel's 64 x 64 tile leaves room for three or four per SM), none shorter than MIN_TILES_PER_PART KV tiles (each
-# part costs a row of fp32 partials and its own prologue), at most MAX_SPLITS.
-CTAS_PER_SM = 2
+# Split keys (runtime/split_kv.py), parts per query tile: none shorter than MIN_TILES_PER_PART KV tiles, at most
+# MAX_SPLITS, and among those the count that the wave model below finishes first. A part's fixed work (its Q, the
+# pipeline's fill, its fp32 partials) costs about PART_OVERHEAD_TILES KV tiles.
 MIN_TILES_PER_PART = 4
-MAX_SPLITS = 64
+MAX_SPLITS = 128
+PART_OVERHEAD_TILES = 2
 
 
-def kv_splits(query_tiles: int, kv_tiles: int, sms: int) -> int:
+def kv_splits(query_tiles: int, kv_tiles: int, slots: int) -> int:
     """How many parts each of `query_tiles` query tiles (over all batches and heads) is split into, for a KV
-    sequence of `kv_tiles` tiles on a GPU of `sms` SMs."""
+    sequence of `kv_tiles` tiles on a GPU where `slots` CTAs of the kernel are resident at once (SMs times CTAs per
+    SM). Modelled time: the waves of CTAs times the longest part's tiles plus its fixed cost; the fewest parts
+    among equals. (A count that spills a few CTAs into a second wave doubles the time; rounding the parts up to
+    fill the GPU did that.)"""
     if query_tiles <= 0 or kv_tiles <= 0:
         return 1
-    wanted = -(-CTAS_PER_SM * sms // query_tiles)
-    return max(1, min(wanted, kv_tiles // MIN_TILES_PER_PART, MAX_SPLITS))
+    most = max(1, min(kv_tiles // MIN_TILES_PER_PART, MAX_SPLITS))
+
+    def modeled(splits: int) -> int:
+        waves = -(-query_tiles * splits // max(1, slots))
+        return waves * (-(-kv_tiles // splits) + PART_OVERHEAD_TILES)
+
+    return min(range(1, most + 1), key=lambda splits: (modeled(splits), splits))
