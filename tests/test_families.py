@@ -320,6 +320,24 @@ def test_resident_ctas_counts_the_tightest_resource():
     assert resident_ctas("sm_90a", 1024, 255, 0) == 1  # (never below one)
 
 
+def test_a_prefill_chunk_takes_the_tall_split_tile(monkeypatch):
+    """Past 64 rows per KV head the split forward takes 128-row tiles (two MMA tiles per warp, one K/V stage) at
+    D = 64 and 128, and FWD_SPLIT's tile at other head dims; up to 64 rows it keeps 64-row tiles."""
+    monkeypatch.setattr(planning, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    chunk = types.SimpleNamespace(shape=(1, 16, 128, 128), device=cuda)
+    step = types.SimpleNamespace(shape=(1, 32, 1, 128), device=cuda)
+    assert planning.split_block_m(chunk, 16, 32768) == planning.TALL_SPLIT_BLOCK_M == 128
+    assert planning.split_block_m(step, 8, 32768) == planning.SPLIT_BLOCK_M == 64
+    assert planning.split_block_m(chunk, 16, 1024) == 0  # a short cache: the usual forward
+    for head_dim, tile in ((64, (128, 64, 4, 1)), (96, (64, 64, 4, 2)), (128, (128, 64, 4, 1)), (256, (64, 32, 4, 2))):
+        spec = planning.plan("fwd", "sm_90a", head_dim, "bf16", extra=(("split_kv", True), ("split_rows", 128)))
+        assert spec.family == "sm80" and (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == tile
+        assert spec == emit_spec("fwd", head_dim=head_dim, arch="sm_90a", split_kv=True, split_rows=128)
+    short = planning.plan("fwd", "sm_90a", 128, "bf16", extra=(("split_kv", True),))
+    assert (short.block_m, short.num_stages) == (64, 2)
+
+
 def test_split_keys_pack_a_kv_heads_query_heads_only_where_every_row_walks_the_same_tiles():
     plain = planning.plan("fwd", "sm_90a", 128, "bf16", extra=(("split_kv", True),))
     dropout = planning.plan("fwd", "sm_90a", 128, "bf16", dropout=True, extra=(("split_kv", True),))
@@ -358,6 +376,15 @@ def test_the_split_key_forward_and_its_merge_compile_without_spills(head_dim):
         kernel = jit.get_kernel(spec)
         assert not has_spills(kernel.resources), f"{spec.describe()}: {kernel.resources}"
         assert "float* o_part;" in render(spec)
+    # The tall tile of prefill chunks: spill-free at D = 64; at D = 128 it spills 8-68 B (ALiBi the most), which the
+    # measurements in families.SM80.FWD_SPLIT_TALL's comment include.
+    if head_dim in (64, 128):
+        for score, mask, extra in ((None, None, {}), (V.alibi(16), V.causal, {}), (None, V.causal, {"dropout": True})):
+            spec = emit_spec("fwd", score, mask, head_dim=head_dim, arch="sm_90a", split_kv=True, split_rows=128,
+                             **extra)
+            resources = jit.get_kernel(spec).resources
+            limit = 0 if head_dim == 64 else 72
+            assert resources["spill_stores_bytes"] <= limit, f"{spec.describe()}: {resources}"
     merge = emit_spec("fwd_combine", head_dim=head_dim, arch="sm_90a")
     assert merge.family == "sm80" and not has_spills(jit.get_kernel(merge).resources)
     assert "o_part" not in render(emit_spec("fwd", None, V.causal, head_dim=head_dim, arch="sm_80"))

@@ -194,17 +194,43 @@ def test_decoding_inputs_in_other_layouts(layout, merges):
     assert merges and min(merges) > 1
 
 
+@pytest.fixture
+def split_rows(monkeypatch):
+    """The query rows per tile of each split-key forward launched so far."""
+    from flexgen.runtime import families
+
+    seen = []
+    original = families.SM80.forward_grid
+
+    def spy(self, spec, *args):
+        if spec.option("split_kv", False):
+            seen.append(spec.block_m)
+        return original(self, spec, *args)
+
+    monkeypatch.setattr(families.SM80, "forward_grid", spy)
+    return seen
+
+
 @gpu
-@pytest.mark.parametrize("name", ["none", "alibi", "decode_causal", "decode_sinks"])
-def test_a_prefill_chunk_against_a_long_cache_is_split(name, merges):
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", ["none", "alibi", "softcap", "document", "decode_causal", "decode_sinks"])
+def test_a_prefill_chunk_against_a_long_cache_is_split(name, D, merges, split_rows):
     """More than 64 rows per KV head (here 100 x 4) against a long cache, on a grid of few work tiles: split too
-    (plan.is_short_query), with the chunk's causal offset where the mask has one."""
+    (plan.split_block_m), on 128-row tiles, with the chunk's causal offset where the mask has one."""
     s = fwd.Shape(1, 8, 100, 5000)
     if name.startswith("decode_"):
-        _check_decode_mask(name, s, 128, torch.bfloat16, gqa_kv_heads=2)
+        _check_decode_mask(name, s, D, torch.bfloat16, gqa_kv_heads=2)
     else:
-        fwd.check_variant(name, s, 128, torch.bfloat16, gqa_kv_heads=2)
+        fwd.check_variant(name, s, D, torch.bfloat16, gqa_kv_heads=2)
     assert merges and min(merges) > 1
+    assert split_rows and set(split_rows) == {128}
+
+
+@gpu
+def test_gradients_through_a_prefill_chunk(merges, split_rows):
+    """The backward after a tall split forward (O and lse only) gives the usual gradients."""
+    bwd.check_variant("alibi_causal_learnable", bwd.Shape(1, 4, 200, 4500), 128, torch.bfloat16)
+    assert merges and min(merges) > 1 and set(split_rows) == {128}
 
 
 @gpu

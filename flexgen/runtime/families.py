@@ -43,6 +43,7 @@ class Call:
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
     split_kv: bool = False  # a forward that splits each query tile's keys over several CTAs (runtime/split_kv.py)
+    split_tall: bool = False  # ... of more than 64 query rows per KV head (a prefill chunk)
 
 
 # A tile table row: (max head dim, (block_m, block_n, num_warps, num_stages)); the first row whose max head
@@ -132,6 +133,13 @@ class SM80(Family):
     # rows past the query's are computed for nothing, and two K/V stages, since the loads are what it waits for.
     FWD_SPLIT: Rows = ((128, (64, 64, 4, 2)),
                        (256, (64, 32, 4, 2)))
+    # Past 64 rows per KV head (plan.split_block_m) two MMA tiles per warp, one K/V stage, as the training tile; at
+    # D = 128 it spills 8-68 B (ALiBi the most) and still ran 1.1-1.2x faster than FWD_SPLIT's tile. Other head
+    # dims keep FWD_SPLIT's.
+    FWD_SPLIT_TALL: Rows = ((64, (128, 64, 4, 1)),
+                            (96, (64, 64, 4, 2)),
+                            (128, (128, 64, 4, 1)),
+                            (256, (64, 32, 4, 2)))
     PRE_POST = (64, 64, 4, 1)  # bwd_preprocess, bwd_postprocess, fwd_combine: 64 rows per CTA, 4 warps
     # A score_mod that loads a different buffer element for every score (relative bias tables) needs address
     # registers next to the 128 x 64 tile's O and S, which then spills: such forward kernels take 32-column
@@ -144,7 +152,7 @@ class SM80(Family):
     def tiles(self, call: Call) -> dict:
         lean = call.dropout or call.buffer_grads
         if call.kind == "fwd" and call.split_kv:
-            tile = _row(self.FWD_SPLIT, call.head_dim)
+            tile = _row(self.FWD_SPLIT_TALL if call.split_tall else self.FWD_SPLIT, call.head_dim)
         elif call.kind == "fwd":
             tile = (lean and _row(self.FWD_LEAN, call.head_dim)) or _row(self.FWD, call.head_dim)
         elif call.kind == "bwd":
