@@ -37,8 +37,10 @@ class Combine:
         p.part_rows = batch * heads * q_len
         p.q_len, p.num_heads, p.num_splits = q_len, heads, splits
         p.mod = empty_args
-        self.grid = dim3((-(-q_len // spec.block_m), heads, batch))
-        self.threads = dim3(families.of(spec).threads_per_cta(spec))
+        threads = families.of(spec).threads_per_cta(spec)
+        rows_per_cta = threads // (d // 8)  # fwd_combine.cu.j2's ROWS: a thread per 8 columns of a row
+        self.grid = dim3(-(-batch * heads * q_len // rows_per_cta))
+        self.threads = dim3(threads)
 
     def parts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Uninitialised (O, lse) parts: every element is written by the forward (a part with no KV tiles writes
