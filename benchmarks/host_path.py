@@ -4,7 +4,7 @@ finish long before the host issues the next one, so the host path is what is tim
 
     python3 benchmarks/host_path.py [--calls 2000] [--profile]
 
-For flexgen (forward alone, forward + backward), compiled FlexAttention and SDPA: the median over five
+For flexgen (forward alone, forward + backward; a decoding step), compiled FlexAttention and SDPA: the median over five
 batches of `--calls` back-to-back calls of wall time per call (one synchronize per batch), and beside it
 the GPU time of the same calls (CUDA events around the batch), so a figure that is host-bound shows as
 wall >> GPU. `--profile` prints cProfile's top entries for flexgen's forward and for its forward + backward.
@@ -87,6 +87,18 @@ def main() -> None:
         with torch.no_grad():
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    # A decoding step (one row per query head, GQA, a 4k cache): the split-key forward and its merge, two launches.
+    qd = torch.randn(b, 8, 1, d, device="cuda", dtype=torch.bfloat16)
+    kd, vd = (torch.randn(b, 2, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def flexgen_decode():
+        with torch.no_grad():
+            flexgen.flex_attention(qd, kd, vd, enable_gqa=True)
+
+    def sdpa_decode():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+
     def sdpa_step():
         qg.grad = kg.grad = vg.grad = None
         torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(grad)
@@ -98,9 +110,15 @@ def main() -> None:
         fw, fg = per_call_us(fwd, args.calls)
         sw, sg = per_call_us(step, max(args.calls // 4, 50))
         print(f"  {name:16s} forward {fw:7.1f} / {fg:6.1f}    forward+backward {sw:7.1f} / {sg:6.1f}")
+    print("decoding step (B=1, 8 query heads, 2 KV heads, 1 row, 4096 keys); us per call, wall / GPU")
+    for name, fn in (("flexgen", flexgen_decode), ("sdpa", sdpa_decode)):
+        wall, gpu = per_call_us(fn, args.calls)
+        print(f"  {name:16s} forward {wall:7.1f} / {gpu:6.1f}")
 
     if args.profile:
-        for name, fn, calls in (("forward", flexgen_fwd, args.calls), ("forward+backward", flexgen_step, args.calls // 4)):
+        profiled = (("forward", flexgen_fwd, args.calls), ("forward+backward", flexgen_step, args.calls // 4),
+                    ("decoding forward", flexgen_decode, args.calls))
+        for name, fn, calls in profiled:
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(calls):
