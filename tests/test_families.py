@@ -245,7 +245,9 @@ def test_a_short_query_against_a_long_cache_splits_where_the_usual_grid_is_small
     def query(b, h, lq, device=cuda):
         return _types.SimpleNamespace(shape=(b, h, lq, 128), device=device)
 
-    short = planning.is_short_query
+    def short(query, kv_heads, kv_len):
+        return planning.split_block_m(query, kv_heads, kv_len) > 0
+
     assert short(query(1, 32, 1), 8, 32768) and short(query(64, 32, 16), 8, 128)  # <= 64 rows: any grid, any cache
     assert short(query(2, 32, 64), 4, 8192)  # 512 rows per KV head: 8 tiles x 4 heads x 2 sequences x 2 (D)
     assert short(query(4, 32, 32), 8, 8192)  # 128 rows per KV head: 2 x 8 x 4 x 2

@@ -95,15 +95,14 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     """The spec of one kernel of a flex_attention call. Memoized on what it reads: the kind, the query's
     dtype, head dim and device, the expressions, the options, dropout, the buffers that get gradients,
     the block mask's BLOCK_SIZE and whether its lists follow its mask_mod, whether a forward writes
-    max_scores, and whether it is a decoding-shaped call (is_short_query, against `kv_heads` heads of `kv_len` keys:
+    max_scores, and whether it is a decoding-shaped call (split_block_m, against `kv_heads` heads of `kv_len` keys:
     the query's heads and length where not given)."""
     options = tuple(sorted((kernel_options or {}).items()))
-    # (a symbolic size under torch.compile's dynamic shapes counts as long: no guard on it is added here)
-    short_query = split_block_m(query, kv_heads, kv_len) if kind == "fwd" and query.dim() == 4 else 0
+    split_rows = split_block_m(query, kv_heads, kv_len) if kind == "fwd" and query.dim() == 4 else 0
     # (int: under torch.compile with dynamic shapes the head dim is a SymInt; a kernel is specialised on it)
     args = (kind, query.dtype, int(query.shape[-1]), query.device, score.expr if score is not None else None,
             mask.expr if mask is not None else None, options, dropout, tuple(grad_buffers), mask_block, max_scores,
-            bool(blocks_follow_mask), short_query)
+            bool(blocks_follow_mask), split_rows)
     try:
         hash(options)
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
@@ -113,7 +112,7 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,
                kernel_options: tuple, dropout: bool, grad_buffers: tuple, mask_block, max_scores: bool = False,
-               blocks_follow_mask: bool = False, short_query: int = 0) -> KernelSpec:
+               blocks_follow_mask: bool = False, split_rows: int = 0) -> KernelSpec:
     from ..arch import current_arch
 
     options = call_options(dict(kernel_options))
@@ -125,10 +124,10 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
     flags = [(k, bool(v)) for k, v in options.items() if k in CALL_FLAGS and k not in ("deterministic", "split_kv")]
     if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
         flags.append(("max_scores", True))
-    if kind == "fwd" and splits_keys(options, tiles, short_query > 0, max_scores):
+    if kind == "fwd" and splits_keys(options, tiles, split_rows > 0, max_scores):
         flags.append(("split_kv", True))
-        if short_query > SPLIT_BLOCK_M and not tiles:  # (the family's tall split tile: families.SM80.FWD_SPLIT_TALL)
-            flags.append(("split_rows", short_query))
+        if split_rows > SPLIT_BLOCK_M and not tiles:  # (the family's tall split tile: families.SM80.FWD_SPLIT_TALL)
+            flags.append(("split_rows", split_rows))
     flags = tuple(sorted(flags))
     return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
                 family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
@@ -155,12 +154,6 @@ SPLIT_BLOCK_M = 64
 # Past SHORT_QUERY_ROWS rows per KV head the split forward takes 128-row tiles (four warps of two MMA tiles), which
 # ran 1.1-1.2x faster than 64-row ones from 128 rows on (H200, D = 64 and 128, prefill chunks of 128-512 rows).
 TALL_SPLIT_BLOCK_M = 128
-
-
-def is_short_query(query: torch.Tensor, kv_heads: int | None = None, kv_len: int | None = None) -> bool:
-    """Whether a forward over `query` (B, H, L, D) against `kv_heads` KV heads of `kv_len` keys (the query's heads
-    and length where not given) is decoding-shaped (above)."""
-    return split_block_m(query, kv_heads, kv_len) > 0
 
 
 def split_block_m(query: torch.Tensor, kv_heads: int | None = None, kv_len: int | None = None) -> int:
