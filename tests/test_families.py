@@ -260,6 +260,8 @@ def test_a_short_query_against_a_long_cache_splits_where_the_usual_grid_is_small
     assert not short(query(1, 4, 300, torch.device("meta")), 4, 5000)
     symbolic = _types.SimpleNamespace(shape=(1, 4, object(), 128), device=cuda)
     assert not short(symbolic, 4, 5000)
+    growing = object()  # a decoding step compiled over a cache whose length is symbolic still splits
+    assert short(query(1, 32, 1), 8, growing) and not short(query(1, 4, 300), 4, growing)
 
 
 def test_the_split_key_grid_deals_each_query_tile_into_parts(monkeypatch):

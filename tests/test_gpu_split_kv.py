@@ -238,3 +238,21 @@ def test_a_query_as_long_as_its_cache_is_not_split(merges):
     """Rows past 64 per KV head with keys fewer than 8 times them: the usual forward."""
     fwd.check_variant("causal", fwd.Shape(1, 2, 300, 2000), 128, torch.bfloat16)
     assert merges == []
+
+
+@gpu
+def test_a_compiled_decoding_step_over_a_growing_cache_splits(merges):
+    """torch.compile(dynamic=True) over caches of three lengths: the cache's length is symbolic, the query's one
+    row is not, and the step still takes the split forward (plan.split_block_m decides on the rows alone)."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: flexgen.flex_attention(q, k, v, enable_gqa=True, return_lse=True),
+                         dynamic=True)
+    for n in (3000, 4100, 5200):
+        seed = fwd.fresh_seed()
+        q = fwd.randn(2, 8, 1, 64, dtype=torch.bfloat16)
+        k, v = (fwd.randn(2, 2, n, 64, dtype=torch.bfloat16) for _ in range(2))
+        fwd.poison(((2, 8, 1, 64), torch.bfloat16), ((2, 8, 1), torch.float32))
+        out, lse = step(q, k, v)
+        torch.cuda.synchronize()
+        fwd.assert_matches(out, lse, q, k, v, None, None, gqa=True, seed=seed, what=f"compiled step over {n} keys")
+    assert merges and min(merges) > 1

@@ -161,14 +161,16 @@ def split_block_m(query: torch.Tensor, kv_heads: int | None = None, kv_len: int 
     SHORT_QUERY_ROWS rows per KV head), 0 where it is not decoding-shaped. A symbolic size under torch.compile's
     dynamic shapes counts as long: no guard on it is added here."""
     batch, heads, q_len = query.shape[:3]
-    kv_len = q_len if kv_len is None else kv_len
-    if not all(isinstance(x, int) for x in (batch, heads, q_len, kv_len)):
+    if not isinstance(q_len, int):
         return 0
-    group = heads // kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else 1
+    group = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 else 1
     rows = q_len * group
-    if rows <= SHORT_QUERY_ROWS:
+    if rows <= SHORT_QUERY_ROWS:  # (whatever the cache's length: a decoding step compiled over a growing cache)
         return SPLIT_BLOCK_M
-    if rows > FEW_QUERY_ROWS or kv_len < max(LONG_CACHE_KEYS, LONG_CACHE_RATIO * q_len) or query.device.type != "cuda":
+    kv_len = q_len if kv_len is None else kv_len
+    if not all(isinstance(x, int) for x in (batch, heads, kv_len)) or query.device.type != "cuda":
+        return 0
+    if rows > FEW_QUERY_ROWS or kv_len < max(LONG_CACHE_KEYS, LONG_CACHE_RATIO * q_len):
         return 0
     split_tiles = -(-rows // SPLIT_BLOCK_M) * (heads // group) * batch
     fits = split_tiles * max(1, query.shape[3] // 64) <= sm_count(query.device)
