@@ -4,11 +4,12 @@ beside compiled FlexAttention (which switches to its split-KV decoding kernel be
 FlashAttention-4 (where it imports), on the same inputs in one process; flexgen also with split_kv=False (its usual
 forward).
 
-    python3 benchmarks/bench_decode.py [--cases B:HQ:HKV:LQ:LKV:D,...] [--rep 100]
+    python3 benchmarks/bench_decode.py [--cases B:HQ:HKV:LQ:LKV:D,...] [--rep 100] [--impls flexgen,sdpa-flash,...]
 
 Such calls are bound by memory, so besides the kernel time (median of triton's do_bench) the table gives the
-bandwidth that time implies: the bytes of Q, K, V and O read or written once, over the time. Every
-output is checked against a float32 reference first (max |diff| printed).
+bandwidth that time implies: the bytes of Q, K, V and O read or written once, over the time, and for flexgen each
+kernel's device time (torch.profiler). Every output is checked against a float32 reference first (max |diff|
+printed).
 """
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=DEFAULT_CASES)
     parser.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
+    parser.add_argument("--impls", default="", help="comma-separated names to run (default: all)")
     args = parser.parse_args()
+    only = {name for name in args.impls.split(",") if name}
 
     import triton.testing
     import torch.nn.functional as F
@@ -80,18 +83,38 @@ def main() -> None:
             impls["fa4"] = lambda: fa4(qt, kt, vt, num_splits=fa4_splits)[0].transpose(1, 2)
         moved = (q.numel() * 2 + k.numel() + v.numel()) * 2  # Q read, O written, K and V read (bf16)
         for name, fn in impls.items():
+            if only and name not in only:
+                continue
             try:
                 out = fn()
                 err = (out.float() - ref).abs().max().item()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep)
-                rows.append((b, hq, hkv, lq, lkv, d, name, ms * 1e3, moved / (ms * 1e-3) / 1e9, err))
+                rows.append((b, hq, hkv, lq, lkv, d, name, ms * 1e3, moved / (ms * 1e-3) / 1e9, err,
+                             kernel_times(fn) if name.startswith("flexgen") else ""))
             except Exception as e:  # a peer without this shape is recorded, not fatal
-                rows.append((b, hq, hkv, lq, lkv, d, name, float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:80]))
-    print("| B | HQ | HKV | LQ | LKV | D | impl | us | GB/s | max abs err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+                rows.append((b, hq, hkv, lq, lkv, d, name, float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:80],
+                             ""))
+    print("| B | HQ | HKV | LQ | LKV | D | impl | us | GB/s | max abs err | flexgen's kernels, us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = r[9] if isinstance(r[9], str) else f"{r[9]:.2e}"
-        print(f"| {' | '.join(str(x) for x in r[:7])} | {r[7]:.1f} | {r[8]:.0f} | {err} |")
+        print(f"| {' | '.join(str(x) for x in r[:7])} | {r[7]:.1f} | {r[8]:.0f} | {err} | {r[10]} |")
+
+
+def kernel_times(fn, calls: int = 10) -> str:
+    """Each kernel's mean device time per call under torch.profiler (the split forward and its merge apart), so
+    that a call's time beyond its kernels (launch gaps, the host path) shows beside do_bench's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / calls
+    return " + ".join(f"{name} {t:.1f}" for name, t in times.items())
 
 
 def _sdpa(F, sdpa_kernel, backend, q, k, v, gqa):
