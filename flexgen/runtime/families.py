@@ -140,7 +140,7 @@ class SM80(Family):
                             (96, (64, 64, 4, 2)),
                             (128, (128, 64, 4, 1)),
                             (256, (64, 32, 4, 2)))
-    PRE_POST = (64, 64, 4, 1)  # bwd_preprocess, bwd_postprocess, fwd_combine: 64 rows per CTA, 4 warps
+    PRE_POST = (64, 64, 4, 1)  # bwd_preprocess, bwd_postprocess: 64 rows per CTA, 4 warps; fwd_combine: 4 warps
     # A score_mod that loads a different buffer element for every score (relative bias tables) needs address
     # registers next to the 128 x 64 tile's O and S, which then spills: such forward kernels take 32-column
     # KV tiles instead.
