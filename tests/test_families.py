@@ -309,6 +309,34 @@ def test_kv_splits_follows_the_wave_model():
     assert schedule.kv_splits(32, 512, 264) * 32 <= 264  # one wave
 
 
+def test_the_merge_deals_many_parts_to_thread_groups():
+    """fwd_combine's thread groups per row: powers of 2 with at least PARTS_PER_GROUP parts each, at most
+    MAX_PART_GROUPS and no more than a CTA holds for one row (D / 8 threads per group)."""
+    from flexgen.runtime.split_kv import MAX_PART_GROUPS, PARTS_PER_GROUP, part_groups
+
+    assert [part_groups(s, 16) for s in (1, 7, 8, 15, 16, 31, 32, 128)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert part_groups(128, 4) == 4 and part_groups(128, 10) == 8 and part_groups(128, 1) == 1  # D = 256, 96, 1024
+    for splits in range(1, 200):
+        for most in (1, 4, 8, 10, 16, 32):
+            groups = part_groups(splits, most)
+            assert groups & (groups - 1) == 0 and groups <= min(MAX_PART_GROUPS, most)
+            assert groups == 1 or splits >= groups * PARTS_PER_GROUP
+
+
+def test_the_merge_grid_covers_every_row_once_per_group_layout(monkeypatch):
+    """Combine's grid: rows per CTA = threads / (D / 8 x groups), as the template computes them."""
+    from flexgen.runtime import split_kv
+
+    monkeypatch.setattr(split_kv, "get_kernel", lambda spec: None)
+    monkeypatch.setattr(split_kv, "make_spec", lambda kind, query, *args: emit_spec(
+        kind, head_dim=query.shape[-1], dtype="bf16", arch="sm_90a"))
+    for b, h, lq, d, splits in ((1, 32, 1, 128, 66), (8, 32, 1, 128, 9), (2, 4, 7, 96, 40), (1, 2, 1, 256, 128)):
+        combine = split_kv.Combine(torch.empty(b, h, lq, d, device="meta"), (h * lq * d, lq * d, d, 1), splits)
+        rows_per_cta = 128 // (d // 8 * combine.groups)
+        assert combine.params.part_groups == combine.groups == split_kv.part_groups(splits, 128 // (d // 8))
+        assert combine.grid[0] == -(-b * h * lq // rows_per_cta)
+
+
 def test_resident_ctas_counts_the_tightest_resource():
     """CTAs per SM from threads, registers (per warp in units of 256, in four quarters) and shared memory (1 KB
     reserved per CTA), per target; what the split-key forward's parts are sized by."""

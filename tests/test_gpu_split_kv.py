@@ -125,6 +125,29 @@ def test_rows_that_see_nothing_give_zero_and_minus_inf(merges):
 
 
 @gpu
+@pytest.mark.parametrize("splits", [9, 37, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_many_parts_merge_in_groups(D, splits, monkeypatch):
+    """One row against a long cache in `splits` parts (forced): the merge deals them to thread groups, whose sums
+    meet in shared memory, including groups whose parts all saw nothing (a window at the end of the cache)."""
+    from flexgen.runtime import families
+
+    monkeypatch.setattr(families, "kv_splits", lambda query_tiles, kv_tiles, slots: splits)
+    seen = []
+    original = split_kv.Combine.run
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.splits, self.groups))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(split_kv.Combine, "run", spy)
+    fwd.check_variant("none", fwd.Shape(1, 2, 1, 9000 + splits), D, torch.bfloat16)
+    _check_decode_mask("decode_window", fwd.Shape(2, 2, 1, 9100 + splits), D, torch.bfloat16)
+    groups = split_kv.part_groups(splits, 128 // (D // 8))
+    assert groups > 1 and seen and set(seen) == {(splits, groups)}
+
+
+@gpu
 def test_a_short_sequence_is_not_split(merges):
     """Fewer KV tiles than a part's least: one part, O and lse written by the forward itself."""
     fwd.check_variant("none", fwd.Shape(2, 4, 1, 100), 64, torch.bfloat16)

@@ -226,6 +226,7 @@ FWD_COMBINE_PARAMS = ParamStruct("FwdCombineParams", (
     _strides("o"),
     _line("long long", "part_rows", comment="B * H * q_len: rows between two parts"),
     _line("int", "q_len", "num_heads", "num_splits"),
+    _line("int", "part_groups", comment="thread groups a row's parts are dealt to (a power of 2)"),
 ))
 
 PARAM_STRUCTS = {s.name: s for s in (FWD_PARAMS, BWD_PARAMS, BWD_PRE_PARAMS, BWD_POST_PARAMS, FWD_COMBINE_PARAMS)}

@@ -124,15 +124,14 @@ class ForwardLaunch:
             p.max_scores = row_max.data_ptr()
         for field in self._late_fields:
             field.fill(p)
-        parts = None
-        if self.combine is not None:
-            parts = self.combine.parts(query.device)
-            p.o_part, p.lse_part = parts[0].data_ptr(), parts[1].data_ptr()
+        workspace = None
+        if self.combine is not None:  # (the buffer is held until both launches are queued)
+            workspace, p.o_part, p.lse_part = self.combine.workspace(query.device)
         stream = current_stream_ptr(query.device)
         self.family.stream_fields(p, query.device, stream)
         self.kernel.launch_dim3(self.grid, self.threads, self.shared_memory, stream, p)
-        if parts is not None:
-            self.combine.run(*parts, out, lse, stream)
+        if workspace is not None:
+            self.combine.run(p.o_part, p.lse_part, out, lse, stream)
         return out, lse, row_max
 
 

@@ -10,6 +10,8 @@ docs/decoding.md.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..cache.jit import get_kernel
@@ -35,21 +37,37 @@ class Combine:
         p = self.params = FWD_COMBINE_PARAMS.ctypes_type(type(empty_args))()
         p.o_stride_b, p.o_stride_h, p.o_stride_l = out_strides[:3]
         p.part_rows = batch * heads * q_len
-        p.q_len, p.num_heads, p.num_splits = q_len, heads, splits
-        p.mod = empty_args
         threads = families.of(spec).threads_per_cta(spec)
-        rows_per_cta = threads // (d // 8)  # fwd_combine.cu.j2's ROWS: a thread per 8 columns of a row
+        groups = self.groups = part_groups(splits, threads // (d // 8))
+        p.q_len, p.num_heads, p.num_splits, p.part_groups = q_len, heads, splits, groups
+        p.mod = empty_args
+        rows_per_cta = threads // (d // 8 * groups)  # as fwd_combine.cu.j2: a thread per 8 columns, per group
         self.grid = dim3(-(-batch * heads * q_len // rows_per_cta))
         self.threads = dim3(threads)
 
-    def parts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uninitialised (O, lse) parts: every element is written by the forward (a part with no KV tiles writes
-        zeros and -inf)."""
-        o_part = torch.empty(self.shape, dtype=torch.float32, device=device)
-        return o_part, torch.empty(self.shape[:-1], dtype=torch.float32, device=device)
+    def workspace(self, device: torch.device) -> tuple[torch.Tensor, int, int]:
+        """One uninitialised fp32 buffer for the parts' O, then their lse (one allocation per call), and the two
+        addresses. Every element is written by the forward (a part with no KV tiles writes zeros and -inf)."""
+        o_elements = math.prod(self.shape)
+        buffer = torch.empty(o_elements + o_elements // self.shape[-1], dtype=torch.float32, device=device)
+        o_part = buffer.data_ptr()
+        return buffer, o_part, o_part + 4 * o_elements  # (lse after O: O's float4 reads stay 16-byte aligned)
 
-    def run(self, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            stream: int) -> None:
+    def run(self, o_part: int, lse_part: int, out: torch.Tensor, lse: torch.Tensor, stream: int) -> None:
         p = type(self.params).from_buffer_copy(self.params)
-        p.o_part, p.lse_part, p.o, p.lse = o_part.data_ptr(), lse_part.data_ptr(), out.data_ptr(), lse.data_ptr()
+        p.o_part, p.lse_part, p.o, p.lse = o_part, lse_part, out.data_ptr(), lse.data_ptr()
         self.kernel.launch_dim3(self.grid, self.threads, 0, stream, p)
+
+
+PARTS_PER_GROUP = 4  # fwd_combine's UNROLL: one batch of loads in flight per group
+MAX_PART_GROUPS = 8
+
+
+def part_groups(splits: int, most: int) -> int:
+    """How many thread groups fwd_combine deals a row's parts to: a power of 2 with at least PARTS_PER_GROUP parts
+    each, at most MAX_PART_GROUPS and `most` (the CTA's threads over a row's chunks). A row's merge is a chain of
+    dependent loads, PARTS_PER_GROUP parts per link: the groups cut it when a decoding step has many parts."""
+    groups = 1
+    while groups * 2 <= min(MAX_PART_GROUPS, most) and splits >= groups * 2 * PARTS_PER_GROUP:
+        groups *= 2
+    return groups
