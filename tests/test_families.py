@@ -215,7 +215,7 @@ def test_a_decoding_query_plans_the_split_key_forward(monkeypatch, head_dim):
     assert spec.block_m == 64 and spec.num_warps == 4 and spec.num_stages == 2
     assert spec == emit_spec("fwd", None, V.causal, head_dim=head_dim, arch="sm_90a", split_kv=True)
     usual = planning.make_spec("fwd", long_, None, V.causal, None)
-    assert usual.option("split_kv") is None and usual.family == ("sm90" if head_dim in (64, 128) else "sm80")
+    assert usual.option("split_kv") is None and usual.family == ("sm90" if head_dim in (64, 128, 256) else "sm80")
     for options in ({"split_kv": False}, {"family": "sm80"}, {"BLOCK_M": 128, "num_warps": 4}):
         assert planning.make_spec("fwd", short, None, V.causal, options).option("split_kv") is None, options
     assert planning.make_spec("fwd", short, None, V.causal, None, max_scores=True).option("split_kv") is None

@@ -1,5 +1,5 @@
 """The Hopper forward (templates/sm90/fwd.cu.j2): flex_attention's default forward on sm_90 for head
-dims 64 and 128 (runtime/families.py), or kernel_options={"family": "sm90"}.
+dims 64, 128 and 256 (runtime/families.py), or kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a without spills, uses wgmma for both products, its
 FwdParams has the host mirror's size, and the launcher reads its exported shared-memory size from
@@ -41,14 +41,14 @@ def _spec(name, D):
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_without_spills_and_matches_host_layouts(name, D):
     spec, score, mask = _spec(name, D)
-    # Per-element score loads (relative_bias) keep the KV tile at 64 columns; D = 64 takes three consumer
-    # warpgroups on 192-row tiles unless a mod reads a buffer in its loop (document ids, bias tables; ALiBi's
-    # slopes are read once per work tile, as its score_mod folds).
-    block_n = 64 if name == "relative_bias" else 128
+    # Per-element score loads (relative_bias) and D = 256 (O's accumulator is 128 registers) keep the KV tile at
+    # 64 columns; D = 64 takes three consumer warpgroups on 192-row tiles unless a mod reads a buffer in its loop
+    # (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds).
+    block_n = 64 if name == "relative_bias" or D == 256 else 128
     three = D == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
@@ -197,7 +197,7 @@ GPU_VARIANTS = ["none", "causal", "softcap_causal", "alibi_causal", "document", 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_sm90_variants_match_reference(name, D):
     from test_gpu_forward import Shape, check_variant
@@ -207,12 +207,13 @@ def test_sm90_variants_match_reference(name, D):
 
 @gpu
 @hopper
+@pytest.mark.parametrize("D", [128, 256])
 @pytest.mark.parametrize("lq,lkv", [(1, 1), (17, 17), (1, 4097), (4097, 1000), (1000, 17)])
 @pytest.mark.parametrize("name", ["none", "causal"])
-def test_sm90_lengths(name, lq, lkv):
+def test_sm90_lengths(name, lq, lkv, D):
     from test_gpu_forward import Shape, check_variant
 
-    check_variant(name, Shape(1, 2, lq, lkv), 128, torch.bfloat16, kernel_options=SM90)
+    check_variant(name, Shape(1, 2, lq, lkv), D, torch.bfloat16, kernel_options=SM90)
 
 
 @gpu
@@ -295,6 +296,7 @@ def test_sm90_fp16_and_gqa(name):
 
     check_variant(name, Shape(2, 4, 777, 777), 128, torch.float16, kernel_options=SM90)
     check_variant(name, Shape(2, 4, 777, 777), 64, torch.bfloat16, gqa_kv_heads=2, kernel_options=SM90)
+    check_variant(name, Shape(1, 4, 555, 601), 256, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
 
 
 def test_forward_family_default():
@@ -302,7 +304,8 @@ def test_forward_family_default():
         return choose(Call(kind, arch, D, "bf16", dropout=dropout, tiles=tiles), requested).name
 
     assert pick() == "sm90" and pick(D=64) == "sm90"
-    assert pick(D=96) == "sm80" and pick(D=256) == "sm80" and pick(dropout=True) == "sm90"
+    assert pick(D=96) == "sm80" and pick(D=256) == "sm90" and pick(dropout=True) == "sm90"
+    assert pick(D=256, kind="bwd") == "sm80" and pick(D=128, kind="bwd") == "sm90"  # (no D = 256 sm90 backward)
     assert pick(tiles=(("block_n", 128),)) == "sm80"  # forward tile options are sm80 tile choices
     assert pick(arch="sm_80") == "sm80" and pick(arch="sm_89", D=64) == "sm80"
     assert pick(arch="sm_100a") == "sm80" and pick(arch="sm_120") == "sm80"  # wgmma is sm_90a's alone
@@ -310,8 +313,10 @@ def test_forward_family_default():
     assert pick(kind="bwd_preprocess") == "sm80"
     with pytest.raises(ValueError, match="allowed"):
         pick(requested="sm100")
-    with pytest.raises(ValueError, match=r"head dim 256 .*use family='sm80'"):
-        pick(requested="sm90", D=256)
+    with pytest.raises(ValueError, match=r"head dim 96 .*use family='sm80'"):
+        pick(requested="sm90", D=96)
+    with pytest.raises(ValueError, match=r"head dim 256 is not one of its backward's \(64, 128\)"):
+        pick(requested="sm90", D=256, kind="bwd")
 
 
 def test_emit_shows_what_flex_attention_runs():
@@ -327,8 +332,10 @@ def test_emit_shows_what_flex_attention_runs():
 
 
 def test_sm90_refuses_what_it_does_not_cover():
-    with pytest.raises(ValueError, match="head dim 256"):
-        make_spec("fwd", None, None, head_dim=256, arch="sm_90a", **SM90)
+    with pytest.raises(ValueError, match="head dim 96"):
+        make_spec("fwd", None, None, head_dim=96, arch="sm_90a", **SM90)
+    with pytest.raises(ValueError, match="head dim 256 is not one of its backward's"):
+        make_spec("bwd", None, None, head_dim=256, arch="sm_90a", **SM90)
     with pytest.raises(ValueError, match="tile"):
         make_spec("fwd", None, None, head_dim=128, arch="sm_90a", block_n=32, **SM90)
 

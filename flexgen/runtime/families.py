@@ -226,13 +226,13 @@ class SM80(Family):
 
 
 class SM90(Family):
-    """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward and the
-    main backward kernel, head dims 64 and 128; the backward's buffer gradients only in non-deterministic
-    mode. Its tiles are fixed."""
+    """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward (head dims 64,
+    128 and 256) and the main backward kernel (64 and 128); the backward's buffer gradients only in
+    non-deterministic mode. Its tiles are fixed."""
 
     name = "sm90"
     kinds = ("fwd", "bwd")
-    head_dims = (64, 128)
+    head_dims = (64, 128, 256)
     producer_threads = 128
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
@@ -249,6 +249,10 @@ class SM90(Family):
     FWD_THREE_WG = (192, 128, 12, 2)
     THREE_WG_MAX_OPS = 24
     FWD_SCORE_LOAD_BLOCK_N = 64  # per-element score loads: the smallest wgmma N the template has
+    # D = 256: O's accumulator takes 128 registers of a consumer's 240, so S is 64 keys wide (32 more), and one Q
+    # buffer fits beside two K / V stages (192 KB). Spill-free without a mod; ALiBi 20 B, documents 92 B.
+    FWD_WIDE_HEAD_BLOCK_N = 64
+    BWD_HEAD_DIMS = (64, 128)
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
     # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
@@ -262,6 +266,8 @@ class SM90(Family):
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
 
     def _refusal(self, call: Call) -> str | None:
+        if call.kind == "bwd" and call.head_dim not in self.BWD_HEAD_DIMS:
+            return f"head dim {call.head_dim} is not one of its backward's {self.BWD_HEAD_DIMS}"
         if call.split_kv:
             return "it does not split a query tile's keys (split_kv: the sm80 forward's decoding path)"
         if call.buffer_grads and call.deterministic:
@@ -299,6 +305,8 @@ class SM90(Family):
             cfg = dict(zip(TILE_FIELDS, self._backward_tile(call)))
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
+        if call.kind == "fwd" and call.head_dim > 128:
+            cfg["block_n"] = self.FWD_WIDE_HEAD_BLOCK_N
         return cfg
 
     @staticmethod
