@@ -41,15 +41,21 @@ def _spec(name, D):
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_without_spills_and_matches_host_layouts(name, D):
+    if D == 32 and name == "document":  # (masks that read buffers stay on sm80 at D = 32)
+        with pytest.raises(ValueError, match="at head dim 32 it leaves masks that read buffers to sm80"):
+            _spec(name, D)
+        return
     spec, score, mask = _spec(name, D)
     # Per-element score loads (relative_bias) and D = 256 (O's accumulator is 128 registers) keep the KV tile at
     # 64 columns; D = 64 takes three consumer warpgroups on 192-row tiles unless a mod reads a buffer in its loop
-    # (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds).
+    # (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds). Head dims 32
+    # and 96 run 64 and 128 columns (zero-filled past the tensors' own by the TMA loads).
+    width = -(-D // 64) * 64
     block_n = 64 if name == "relative_bias" or D == 256 else 128
-    three = D == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
+    three = width == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
     assert kernel.cubin[:4] == b"\x7fELF"
@@ -58,11 +64,11 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     # D=128 16 B, relative_bias at D=64 144 B, reloaded once per KV tile); more is a regression.
     # ALiBi with a causal mask on three warpgroups spills 352 B and still runs 7% faster than on two
     # (docs/forward-sm90.md); more is a regression there too.
-    limit = 400 if (name, D) == ("alibi_causal", 64) else 160
+    limit = 400 if (name, width) == ("alibi_causal", 64) else 160
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
     # Both products are wgmma: S = QK^T as m64n{BLOCK_N}k16 (A, B from shared memory), O += PV as m64n{D}k16.
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", kernel.ptx)
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16", kernel.ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{width}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
     # O leaves by TMA tensor stores from the spent Q rows, not by a bulk copy per row.
@@ -197,17 +203,21 @@ GPU_VARIANTS = ["none", "causal", "softcap_causal", "alibi_causal", "document", 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_sm90_variants_match_reference(name, D):
     from test_gpu_forward import Shape, check_variant
 
+    if D == 32 and name in ("document", "padding_mask"):  # (masks that read buffers stay on sm80 at D = 32)
+        with pytest.raises(ValueError, match="at head dim 32 it leaves masks that read buffers to sm80"):
+            check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
+        return
     check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("D", [32, 96, 128, 256])
 @pytest.mark.parametrize("lq,lkv", [(1, 1), (17, 17), (1, 4097), (4097, 1000), (1000, 17)])
 @pytest.mark.parametrize("name", ["none", "causal"])
 def test_sm90_lengths(name, lq, lkv, D):
@@ -297,6 +307,9 @@ def test_sm90_fp16_and_gqa(name):
     check_variant(name, Shape(2, 4, 777, 777), 128, torch.float16, kernel_options=SM90)
     check_variant(name, Shape(2, 4, 777, 777), 64, torch.bfloat16, gqa_kv_heads=2, kernel_options=SM90)
     check_variant(name, Shape(1, 4, 555, 601), 256, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
+    check_variant(name, Shape(1, 4, 555, 601), 96, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
+    if name != "document":  # (at D = 32 sm80's)
+        check_variant(name, Shape(2, 2, 300, 333), 32, torch.float16, kernel_options=SM90)
 
 
 def test_forward_family_default():
@@ -304,8 +317,9 @@ def test_forward_family_default():
         return choose(Call(kind, arch, D, "bf16", dropout=dropout, tiles=tiles), requested).name
 
     assert pick() == "sm90" and pick(D=64) == "sm90"
-    assert pick(D=96) == "sm80" and pick(D=256) == "sm90" and pick(dropout=True) == "sm90"
-    assert pick(D=256, kind="bwd") == "sm80" and pick(D=128, kind="bwd") == "sm90"  # (no D = 256 sm90 backward)
+    assert pick(D=32) == pick(D=96) == pick(D=256) == "sm90" and pick(dropout=True) == "sm90"
+    assert pick(D=256, kind="bwd") == pick(D=96, kind="bwd") == "sm80"  # (the sm90 backward: D = 64 and 128)
+    assert pick(D=128, kind="bwd") == "sm90"
     assert pick(tiles=(("block_n", 128),)) == "sm80"  # forward tile options are sm80 tile choices
     assert pick(arch="sm_80") == "sm80" and pick(arch="sm_89", D=64) == "sm80"
     assert pick(arch="sm_100a") == "sm80" and pick(arch="sm_120") == "sm80"  # wgmma is sm_90a's alone
@@ -313,8 +327,6 @@ def test_forward_family_default():
     assert pick(kind="bwd_preprocess") == "sm80"
     with pytest.raises(ValueError, match="allowed"):
         pick(requested="sm100")
-    with pytest.raises(ValueError, match=r"head dim 96 .*use family='sm80'"):
-        pick(requested="sm90", D=96)
     with pytest.raises(ValueError, match=r"head dim 256 is not one of its backward's \(64, 128\)"):
         pick(requested="sm90", D=256, kind="bwd")
 
@@ -324,7 +336,8 @@ def test_emit_shows_what_flex_attention_runs():
     where it applies, sm80 elsewhere or on request."""
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a").family == "sm90"
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").family == "sm80"
-    assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").family == "sm80"
+    assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").family == "sm90"
+    assert make_spec("bwd", None, V.causal, head_dim=96, arch="sm_90a").family == "sm80"
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", block_n=32).family == "sm80"
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_80").family == "sm80"
     assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").family == "sm90"
@@ -332,8 +345,6 @@ def test_emit_shows_what_flex_attention_runs():
 
 
 def test_sm90_refuses_what_it_does_not_cover():
-    with pytest.raises(ValueError, match="head dim 96"):
-        make_spec("fwd", None, None, head_dim=96, arch="sm_90a", **SM90)
     with pytest.raises(ValueError, match="head dim 256 is not one of its backward's"):
         make_spec("bwd", None, None, head_dim=256, arch="sm_90a", **SM90)
     with pytest.raises(ValueError, match="tile"):

@@ -226,13 +226,13 @@ class SM80(Family):
 
 
 class SM90(Family):
-    """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward (head dims 64,
-    128 and 256) and the main backward kernel (64 and 128); the backward's buffer gradients only in
+    """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward (head dims 32,
+    64, 96, 128 and 256) and the main backward kernel (64 and 128); the backward's buffer gradients only in
     non-deterministic mode. Its tiles are fixed."""
 
     name = "sm90"
     kinds = ("fwd", "bwd")
-    head_dims = (64, 128, 256)
+    head_dims = (32, 64, 96, 128, 256)  # (the forward runs 32 and 96 on 64 and 128 columns: panel_width)
     producer_threads = 128
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
@@ -253,6 +253,11 @@ class SM90(Family):
     # buffer fits beside two K / V stages (192 KB). Spill-free without a mod; ALiBi 20 B, documents 92 B.
     FWD_WIDE_HEAD_BLOCK_N = 64
     BWD_HEAD_DIMS = (64, 128)
+
+    @staticmethod
+    def panel_width(head_dim: int) -> int:
+        """The columns the forward computes for a head dim: whole 64-column panels (sm90/fwd.cu.j2's D)."""
+        return -(-head_dim // 64) * 64
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
     # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
@@ -268,6 +273,9 @@ class SM90(Family):
     def _refusal(self, call: Call) -> str | None:
         if call.kind == "bwd" and call.head_dim not in self.BWD_HEAD_DIMS:
             return f"head dim {call.head_dim} is not one of its backward's {self.BWD_HEAD_DIMS}"
+        if call.kind == "fwd" and call.head_dim == 32 and call.mask_loads:
+            # (half of each 64-column product is padding: documents + causal ran 109 TFLOP/s against sm80's 116)
+            return "at head dim 32 it leaves masks that read buffers to sm80, which runs them faster"
         if call.split_kv:
             return "it does not split a query tile's keys (split_kv: the sm80 forward's decoding path)"
         if call.buffer_grads and call.deterministic:
@@ -298,14 +306,14 @@ class SM90(Family):
             blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
                        and not loads_in_loop
                        and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
-            three = (call.head_dim == 64 and small_mods and (unmasked or blocked)
+            three = (self.panel_width(call.head_dim) == 64 and small_mods and (unmasked or blocked)
                      and not (call.dropout and call.scored))
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self._backward_tile(call)))
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
-        if call.kind == "fwd" and call.head_dim > 128:
+        if call.kind == "fwd" and self.panel_width(call.head_dim) > 128:
             cfg["block_n"] = self.FWD_WIDE_HEAD_BLOCK_N
         return cfg
 
