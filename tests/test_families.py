@@ -44,7 +44,8 @@ def test_sm80_serves_every_target_and_kind(arch):
     (Call("bwd_preprocess", "sm_90a", 128, "bf16"), r"only \('fwd', 'bwd'\) kernels"),
     (Call("fwd", "sm_80", 128, "bf16"), "needs arch sm_90a"),
     (Call("fwd", "sm_100a", 128, "bf16"), "needs arch sm_90a"),
-    (Call("bwd", "sm_90a", 96, "bf16"), "head dim 96 is not one of its backward's"),
+    (Call("bwd", "sm_90a", 256, "bf16"), "head dim 256 is not one of its backward's"),
+    (Call("bwd", "sm_90a", 96, "bf16", deterministic=True), "at head dim 96 its deterministic backward"),
     (Call("fwd", "sm_90a", 128, "fp32"), "dtype fp32"),
     (Call("fwd", "sm_90a", 32, "bf16", mask_loads=True), "head dim 32 it leaves masks that read buffers to sm80"),
     (Call("bwd", "sm_90a", 128, "bf16", buffer_grads=True, deterministic=True), "non-deterministic mode"),
@@ -216,7 +217,7 @@ def test_a_decoding_query_plans_the_split_key_forward(monkeypatch, head_dim):
     assert spec.block_m == 64 and spec.num_warps == 4 and spec.num_stages == 2
     assert spec == emit_spec("fwd", None, V.causal, head_dim=head_dim, arch="sm_90a", split_kv=True)
     usual = planning.make_spec("fwd", long_, None, V.causal, None)
-    assert usual.option("split_kv") is None and usual.family == ("sm90" if head_dim in (64, 128, 256) else "sm80")
+    assert usual.option("split_kv") is None and usual.family == "sm90"  # (every head dim)
     for options in ({"split_kv": False}, {"family": "sm80"}, {"BLOCK_M": 128, "num_warps": 4}):
         assert planning.make_spec("fwd", short, None, V.causal, options).option("split_kv") is None, options
     assert planning.make_spec("fwd", short, None, V.causal, None, max_scores=True).option("split_kv") is None

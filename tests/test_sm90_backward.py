@@ -32,14 +32,15 @@ gpu = pytest.mark.gpu
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 @pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_and_matches_host_layouts(name, D):
     score, mask = cpu_variants()[name]
     spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
     # Query rows per step: 128 at D = 64 (families.SM90.BWD_WIDE) unless mask_mod reads buffers or score_mod
-    # loads an element per score.
-    rows = 128 if D == 64 and name not in ("document", "relative_bias") else 64
+    # loads an element per score. D = 32 and 96 run 64 and 128 columns (zero-filled by the TMA loads).
+    width = -(-D // 64) * 64
+    rows = 128 if width == 64 and name not in ("document", "relative_bias") else 64
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (rows, 128, 8, 2)
     assert families.of(spec).threads_per_cta(spec) == 384  # a producer warpgroup beside two consumer ones
     kernel = jit.get_kernel(spec)
@@ -47,13 +48,13 @@ def test_compiles_and_matches_host_layouts(name, D):
     # NVRTC 13.5: spill-free except relative_bias (its table pointer next to dK and dV), at D = 64 over 128-row
     # steps softcap with a mask (on the partial tiles), and at D = 128 the folded soft cap with a mask (6 B: still
     # faster, docs/backward.md); more is a regression.
-    limit = {("softcap_causal", 64): 48, ("softcap_causal", 128): 8}.get((name, D), 256 if name == "relative_bias" else 0)
+    limit = {("softcap_causal", 64): 48, ("softcap_causal", 128): 8}.get((name, width), 256 if name == "relative_bias" else 0)
     # (.get: NVRTC 13.0, on the GPU machine, returns no ptxas report.)
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
     # The five products: S^T and dP^T as m64n{rows} (shared A, B), dK and dV as m64n{D} (A in registers),
     # each warpgroup's 64 x 64 share of dQ as m64n64.
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{rows}k16\.f32\.bf16\.bf16", kernel.ptx)
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, \{{", kernel.ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{width}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, \{{", kernel.ptx)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
@@ -87,7 +88,8 @@ def test_backward_family_default_and_refusals():
 
     assert pick() == "sm90" and pick(D=64) == "sm90" and pick(block=None) == "sm90"
     assert pick(block=(256, 512)) == "sm90"
-    assert pick(arch="sm_80") == "sm80" and pick(D=96) == "sm80" and pick(D=256) == "sm80"
+    assert pick(arch="sm_80") == "sm80" and pick(D=96) == pick(D=32) == "sm90" and pick(D=256) == "sm80"
+    assert pick(D=96, deterministic=True) == "sm80" and pick(D=64, deterministic=True) == "sm90"
     assert pick(dropout=True) == "sm90" and pick(grads=True) == "sm90" and pick(tiles=True) == "sm80"
     assert pick(grads=True, deterministic=True) == "sm80" and pick(grads=True, dropout=True) == "sm80"
     assert pick(deterministic=True) == "sm90"
@@ -99,6 +101,8 @@ def test_backward_family_default_and_refusals():
         pick(requested="sm90", grads=True, dropout=True)
     with pytest.raises(ValueError, match="head dim 256"):
         pick(requested="sm90", D=256)
+    with pytest.raises(ValueError, match="at head dim 96 its deterministic backward"):
+        pick(requested="sm90", D=96, deterministic=True)
     with pytest.raises(ValueError, match="allowed"):
         pick(requested="sm75")
     assert "multiple of its tile" in families.named("sm90").refusal(Call("bwd", "sm_90a", 128, "bf16", mask_block=(32, 128)))
@@ -137,12 +141,16 @@ GPU_VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 @pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_sm90_backward_variants(name, D):
     from test_gpu_backward import Shape, check_variant
 
-    check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
+    # (At D = 32 a mask that reads buffers keeps its forward on sm80, so family="sm90" is refused: the default plan
+    # runs this backward there.)
+    options = None if (D, name) == (32, "document") else SM90
+    assert make_spec("bwd", None, V.causal, head_dim=D, arch="sm_90a").family == "sm90"
+    check_variant(name, Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options=options)
 
 
 @needs_nvrtc
@@ -196,7 +204,7 @@ def test_folded_backward_with_gqa_and_odd_lengths(name, D, fold):
 @hopper
 @pytest.mark.parametrize("lq,lkv", [(1, 1), (17, 17), (1, 1000), (1000, 17), (700, 1100), (2049, 300)])
 @pytest.mark.parametrize("name", ["none", "causal"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 def test_sm90_backward_lengths(name, lq, lkv, D):
     from test_gpu_backward import Shape, check_variant
 
@@ -236,6 +244,8 @@ def test_sm90_backward_fp16_and_gqa(name):
 
     check_variant(name, Shape(2, 4, 777, 777), 128, torch.float16, kernel_options=SM90)
     check_variant(name, Shape(2, 4, 777, 777), 64, torch.bfloat16, gqa_kv_heads=2, kernel_options=SM90)
+    check_variant(name, Shape(1, 4, 555, 601), 96, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
+    check_variant(name, Shape(2, 2, 300, 333), 32, torch.bfloat16, kernel_options=None if name == "document" else SM90)
 
 
 @gpu

@@ -227,8 +227,8 @@ class SM80(Family):
 
 class SM90(Family):
     """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward (head dims 32,
-    64, 96, 128 and 256) and the main backward kernel (64 and 128); the backward's buffer gradients only in
-    non-deterministic mode. Its tiles are fixed."""
+    64, 96, 128 and 256) and the main backward kernel (32, 64, 96 and 128; 32 and 96 not deterministic); the
+    backward's buffer gradients only in non-deterministic mode. Its tiles are fixed."""
 
     name = "sm90"
     kinds = ("fwd", "bwd")
@@ -252,7 +252,7 @@ class SM90(Family):
     # D = 256: O's accumulator takes 128 registers of a consumer's 240, so S is 64 keys wide (32 more), and one Q
     # buffer fits beside two K / V stages (192 KB). Spill-free without a mod; ALiBi 20 B, documents 92 B.
     FWD_WIDE_HEAD_BLOCK_N = 64
-    BWD_HEAD_DIMS = (64, 128)
+    BWD_HEAD_DIMS = (32, 64, 96, 128)
 
     @staticmethod
     def panel_width(head_dim: int) -> int:
@@ -273,6 +273,8 @@ class SM90(Family):
     def _refusal(self, call: Call) -> str | None:
         if call.kind == "bwd" and call.head_dim not in self.BWD_HEAD_DIMS:
             return f"head dim {call.head_dim} is not one of its backward's {self.BWD_HEAD_DIMS}"
+        if call.kind == "bwd" and call.deterministic and call.head_dim != self.panel_width(call.head_dim):
+            return f"at head dim {call.head_dim} its deterministic backward (plain stores, not TMA) is sm80's"
         if call.kind == "fwd" and call.head_dim == 32 and call.mask_loads:
             # (half of each 64-column product is padding: documents + causal ran 109 TFLOP/s against sm80's 116)
             return "at head dim 32 it leaves masks that read buffers to sm80, which runs them faster"
@@ -325,7 +327,7 @@ class SM90(Family):
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
-        wide = (call.head_dim == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
+        wide = (self.panel_width(call.head_dim) == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
                 and not call.dropout and not call.buffer_grads)
         return self.BWD_WIDE if wide else self.BWD
 
