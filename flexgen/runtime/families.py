@@ -232,7 +232,7 @@ class SM90(Family):
 
     name = "sm90"
     kinds = ("fwd", "bwd")
-    head_dims = (32, 64, 96, 128, 256)  # (the forward runs 32 and 96 on 64 and 128 columns: panel_width)
+    head_dims = (32, 64, 96, 128, 256)  # (32 and 96 run on 64 and 128 columns: panel_width)
     producer_threads = 128
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
@@ -252,12 +252,7 @@ class SM90(Family):
     # D = 256: O's accumulator takes 128 registers of a consumer's 240, so S is 64 keys wide (32 more), and one Q
     # buffer fits beside two K / V stages (192 KB). Spill-free without a mod; ALiBi 20 B, documents 92 B.
     FWD_WIDE_HEAD_BLOCK_N = 64
-    BWD_HEAD_DIMS = (32, 64, 96, 128)
-
-    @staticmethod
-    def panel_width(head_dim: int) -> int:
-        """The columns the forward computes for a head dim: whole 64-column panels (sm90/fwd.cu.j2's D)."""
-        return -(-head_dim // 64) * 64
+    BWD_HEAD_DIMS = (32, 64, 96, 128)  # (at 256 its dK and dV accumulators would not fit 240 registers)
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
     # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
@@ -266,6 +261,12 @@ class SM90(Family):
     # element per score (a relative-bias table spills 228 B), nor with dropout (520-610 B) or buffer gradients
     # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
+
+    @staticmethod
+    def panel_width(head_dim: int) -> int:
+        """The columns both kernels compute for a head dim: whole 64-column panels (their templates' D); the TMA
+        loads zero-fill the columns past a narrower head's."""
+        return -(-head_dim // 64) * 64
 
     def arch_refusal(self, arch: str) -> str | None:
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
