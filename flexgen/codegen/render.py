@@ -18,6 +18,7 @@ import jinja2
 from ..cache import paths
 from .lower import LoweredMods, lower_mods
 from .params import PARAM_STRUCTS
+from .spec import panel_width
 
 
 class TemplateNotFoundError(LookupError):
@@ -77,6 +78,7 @@ def derived_constants(spec) -> dict:
         "has_score_mod": spec.score_expr is not None,
         "has_mask_mod": spec.mask_expr is not None,
         "options": dict(spec.extra),
+        "panel_width": panel_width(spec.head_dim),
         "params": PARAM_STRUCTS,  # the parameter structs' C declarations (codegen/params.py)
     }
 

@@ -31,6 +31,12 @@ ARCHS = ("sm_90",) + SUPPORTED
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
+def panel_width(head_dim: int) -> int:
+    """The columns the sm90 kernels compute for a head dim: whole 64-column panels (their templates' D); their TMA
+    loads zero-fill the columns past a narrower head's."""
+    return -(-head_dim // 64) * 64
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     kind: str = "fwd"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..arch import capability, resident_ctas, shared_memory_limit
 from ..cache.jit import get_kernel
-from ..codegen.spec import HEAD_DIMS, KernelSpec
+from ..codegen.spec import HEAD_DIMS, KernelSpec, panel_width
 from . import bwd_tiles
 from .kernel_symbols import shared_memory_bytes
 from .schedule import (TAIL_REACH, TailChoice, chunk_by_tail, head_chunk, kv_splits, kv_tile_turns, l2_bytes,
@@ -232,7 +232,7 @@ class SM90(Family):
 
     name = "sm90"
     kinds = ("fwd", "bwd")
-    head_dims = (32, 64, 96, 128, 256)  # (32 and 96 run on 64 and 128 columns: panel_width)
+    head_dims = (32, 64, 96, 128, 256)  # (32 and 96 run on 64 and 128 columns: codegen.spec.panel_width)
     producer_threads = 128
     tensor_maps = True
     FWD = (128, 128, 8, 2)  # two consumer warpgroups x 64 query rows, double-buffered K/V
@@ -262,19 +262,13 @@ class SM90(Family):
     # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
 
-    @staticmethod
-    def panel_width(head_dim: int) -> int:
-        """The columns both kernels compute for a head dim: whole 64-column panels (their templates' D); the TMA
-        loads zero-fill the columns past a narrower head's."""
-        return -(-head_dim // 64) * 64
-
     def arch_refusal(self, arch: str) -> str | None:
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
 
     def _refusal(self, call: Call) -> str | None:
         if call.kind == "bwd" and call.head_dim not in self.BWD_HEAD_DIMS:
             return f"head dim {call.head_dim} is not one of its backward's {self.BWD_HEAD_DIMS}"
-        if call.kind == "bwd" and call.deterministic and call.head_dim != self.panel_width(call.head_dim):
+        if call.kind == "bwd" and call.deterministic and call.head_dim != panel_width(call.head_dim):
             return f"at head dim {call.head_dim} its deterministic backward (plain stores, not TMA) is sm80's"
         if call.kind == "fwd" and call.head_dim == 32 and call.mask_loads:
             # (half of each 64-column product is padding: documents + causal ran 109 TFLOP/s against sm80's 116)
@@ -309,14 +303,14 @@ class SM90(Family):
             blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
                        and not loads_in_loop
                        and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
-            three = (self.panel_width(call.head_dim) == 64 and small_mods and (unmasked or blocked)
+            three = (panel_width(call.head_dim) == 64 and small_mods and (unmasked or blocked)
                      and not (call.dropout and call.scored))
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
             cfg = dict(zip(TILE_FIELDS, self._backward_tile(call)))
         if call.kind == "fwd" and call.score_loads_per_element:
             cfg["block_n"] = self.FWD_SCORE_LOAD_BLOCK_N
-        if call.kind == "fwd" and self.panel_width(call.head_dim) > 128:
+        if call.kind == "fwd" and panel_width(call.head_dim) > 128:
             cfg["block_n"] = self.FWD_WIDE_HEAD_BLOCK_N
         return cfg
 
@@ -328,7 +322,7 @@ class SM90(Family):
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
-        wide = (self.panel_width(call.head_dim) == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
+        wide = (panel_width(call.head_dim) == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
                 and not call.dropout and not call.buffer_grads)
         return self.BWD_WIDE if wide else self.BWD
 
