@@ -35,14 +35,18 @@ CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) a
 
 
 def selected(kind: str, only: str | None) -> list[tuple[int, str]]:
-    """CASES[kind], or those named in `only` ("D:variant,..."), in CASES order."""
+    """CASES[kind], or the cases named in `only` ("D:variant,...", any head dim and bench_attention.py variant), in
+    CASES order and then in the order given."""
     if not only:
         return CASES[kind]
-    wanted = {item.strip() for item in only.split(",") if item.strip()}
-    known = {f"{d}:{name}" for d, name in CASES[kind]}
-    if wanted - known:
-        raise SystemExit(f"kernel_ab: --only {sorted(wanted - known)} not among the {kind} cases {sorted(known)}")
-    return [(d, name) for d, name in CASES[kind] if f"{d}:{name}" in wanted]
+    wanted = [item.strip() for item in only.split(",") if item.strip()]
+    bad = [item for item in wanted if not re.fullmatch(r"\d+:[\w-]+", item)]
+    if bad:
+        raise SystemExit(f"kernel_ab: --only {bad}: each case is HEAD_DIM:VARIANT, e.g. 128:causal")
+    known = [(d, name) for d, name in CASES[kind] if f"{d}:{name}" in wanted]
+    others = [(int(item.split(":")[0]), item.split(":")[1]) for item in wanted
+              if (int(item.split(":")[0]), item.split(":")[1]) not in known]
+    return known + others
 
 
 def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = None, device: str = "cuda",

@@ -78,12 +78,12 @@ def test_cases_run_the_harness_variants_in_order(capsys):
         assert announced == [f"{d} {name} N=128" for d, name in kernel_ab.CASES[kind]]
 
 
-def test_only_runs_the_named_cases_in_cases_order(capsys):
+def test_only_runs_the_named_cases_in_cases_order_then_the_others(capsys):
     sys.path.insert(0, str(SCRIPT.parent))
     import kernel_ab
 
-    kernel_ab.run_cases("fwd", n=128, heads=2, tokens=128, device="cpu", only="64:causal, 128:full")
+    kernel_ab.run_cases("fwd", n=128, heads=2, tokens=128, device="cpu", only="256:full, 64:causal, 128:full")
     announced = [line[len("CASE "):] for line in capsys.readouterr().out.splitlines() if line.startswith("CASE ")]
-    assert announced == ["128 full N=128", "64 causal N=128"]
-    with pytest.raises(SystemExit, match="not among the fwd cases"):
-        kernel_ab.selected("fwd", "64:nonesuch")
+    assert announced == ["128 full N=128", "64 causal N=128", "256 full N=128"]  # (cases past CASES: as given)
+    with pytest.raises(SystemExit, match="HEAD_DIM:VARIANT"):
+        kernel_ab.selected("fwd", "64-causal")

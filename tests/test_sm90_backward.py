@@ -1,6 +1,6 @@
-"""The Hopper backward (templates/sm90/bwd.cu.j2): flex_attention's default backward on sm_90 for head
-dims 64 and 128 except deterministic buffer gradients and buffer gradients with dropout (runtime/families.py), or
-kernel_options={"family": "sm90"}.
+"""The Hopper backward (templates/sm90/bwd.cu.j2): flex_attention's default backward on sm_90 at every head dim
+(at D = 256 the head dim split across the warpgroups) except deterministic buffer gradients, buffer gradients with
+dropout and deterministic mode at 32 and 96 (runtime/families.py), or kernel_options={"family": "sm90"}.
 
 CPU: it renders and compiles for sm_90a, runs all five products on wgmma, its BwdParams has the
 host mirror's size and the launcher reads its exported shared-memory size from the cubin; the
@@ -32,16 +32,18 @@ gpu = pytest.mark.gpu
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
-@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("name", list(cpu_variants()))
 def test_compiles_and_matches_host_layouts(name, D):
     score, mask = cpu_variants()[name]
     spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
     # Query rows per step: 128 at D = 64 (families.SM90.BWD_WIDE) unless mask_mod reads buffers or score_mod
-    # loads an element per score. D = 32 and 96 run 64 and 128 columns (zero-filled by the TMA loads).
+    # loads an element per score. D = 32 and 96 run 64 and 128 columns (zero-filled by the TMA loads). D = 256: both
+    # warpgroups on 64 keys, each with half the step's queries in S^T and dP^T and half of D in dK, dV and dQ.
     width = -(-D // 64) * 64
     rows = 128 if width == 64 and name not in ("document", "relative_bias") else 64
-    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (rows, 128, 8, 2)
+    keys = 64 if width == 256 else 128
+    assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (rows, keys, 8, 2)
     assert families.of(spec).threads_per_cta(spec) == 384  # a producer warpgroup beside two consumer ones
     kernel = jit.get_kernel(spec)
     assert "sm90 family" in kernel.source
@@ -52,10 +54,18 @@ def test_compiles_and_matches_host_layouts(name, D):
     # (.get: NVRTC 13.0, on the GPU machine, returns no ptxas report.)
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
     # The five products: S^T and dP^T as m64n{rows} (shared A, B), dK and dV as m64n{D} (A in registers),
-    # each warpgroup's 64 x 64 share of dQ as m64n64.
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{rows}k16\.f32\.bf16\.bf16", kernel.ptx)
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{width}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, \{{", kernel.ptx)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", kernel.ptx)
+    # each warpgroup's 64 x 64 share of dQ as m64n64. D = 256: S^T and dP^T m64n32, dK, dV and dQ m64n128, all from
+    # shared memory (P and dX read transposed: imm-trans-a = 1).
+    wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n{}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, "
+    if width == 256:
+        assert re.search(wgmma.format(32) + r"%rd", kernel.ptx)
+        assert re.search(wgmma.format(128) + r"%rd\d+, %rd\d+, p, 1, 1, 1, 1;", kernel.ptx)  # dK, dV
+        assert re.search(wgmma.format(128) + r"%rd\d+, %rd\d+, p, 1, 1, 0, 1;", kernel.ptx)  # dQ
+        assert not re.search(wgmma.format(r"\d+") + r"\{", kernel.ptx)
+    else:
+        assert re.search(wgmma.format(rows), kernel.ptx)
+        assert re.search(wgmma.format(width) + r"\{", kernel.ptx)
+        assert re.search(wgmma.format(64), kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
     # lse and delta of a step by two 1-D bulk copies (from bwd_preprocess's padded buffers), on the stage's barrier
@@ -88,7 +98,8 @@ def test_backward_family_default_and_refusals():
 
     assert pick() == "sm90" and pick(D=64) == "sm90" and pick(block=None) == "sm90"
     assert pick(block=(256, 512)) == "sm90"
-    assert pick(arch="sm_80") == "sm80" and pick(D=96) == pick(D=32) == "sm90" and pick(D=256) == "sm80"
+    assert pick(arch="sm_80") == "sm80" and pick(D=96) == pick(D=32) == pick(D=256) == "sm90"
+    assert pick(D=256, deterministic=True) == pick(D=256, dropout=True) == "sm90"
     assert pick(D=96, deterministic=True) == "sm80" and pick(D=64, deterministic=True) == "sm90"
     assert pick(dropout=True) == "sm90" and pick(grads=True) == "sm90" and pick(tiles=True) == "sm80"
     assert pick(grads=True, deterministic=True) == "sm80" and pick(grads=True, dropout=True) == "sm80"
@@ -99,8 +110,6 @@ def test_backward_family_default_and_refusals():
         pick(requested="sm90", grads=True, deterministic=True)
     with pytest.raises(ValueError, match="buffer gradients with dropout"):
         pick(requested="sm90", grads=True, dropout=True)
-    with pytest.raises(ValueError, match="head dim 256"):
-        pick(requested="sm90", D=256)
     with pytest.raises(ValueError, match="at head dim 96 its deterministic backward"):
         pick(requested="sm90", D=96, deterministic=True)
     with pytest.raises(ValueError, match="allowed"):
@@ -141,7 +150,7 @@ GPU_VARIANTS = ["none", "causal", "sliding_window", "document", "alibi_causal", 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_sm90_backward_variants(name, D):
     from test_gpu_backward import Shape, check_variant
@@ -204,7 +213,7 @@ def test_folded_backward_with_gqa_and_odd_lengths(name, D, fold):
 @hopper
 @pytest.mark.parametrize("lq,lkv", [(1, 1), (17, 17), (1, 1000), (1000, 17), (700, 1100), (2049, 300)])
 @pytest.mark.parametrize("name", ["none", "causal"])
-@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 def test_sm90_backward_lengths(name, lq, lkv, D):
     from test_gpu_backward import Shape, check_variant
 
@@ -246,11 +255,12 @@ def test_sm90_backward_fp16_and_gqa(name):
     check_variant(name, Shape(2, 4, 777, 777), 64, torch.bfloat16, gqa_kv_heads=2, kernel_options=SM90)
     check_variant(name, Shape(1, 4, 555, 601), 96, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
     check_variant(name, Shape(2, 2, 300, 333), 32, torch.bfloat16, kernel_options=None if name == "document" else SM90)
+    check_variant(name, Shape(1, 4, 430, 390), 256, torch.float16, gqa_kv_heads=2, kernel_options=SM90)
 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_sm90_backward_deterministic(D):
     from test_gpu_backward import Shape, block_mask_for, flexgen_grads, fresh_seed, _variant
 
@@ -369,12 +379,13 @@ def test_sm90_backward_persistent_option():
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_dropout_kernels_compile(D):
     """Dropout runs on the sm90 family: the forward scales P by Z / (1 - p) before P V, the backward draws the same Z
     for dV and dP^T (common/philox.cuh); the backward on the two-warpgroup tiles (Philox's state spills 460-600 B on
-    the 128-row backward at D = 64), the forward at D = 64 on three warpgroups where no score_mod is beside it. NVRTC 13.5: spill-free but for the D = 128 backward (22-46 B; the
-    keep bits of two column groups live through a group's gradient math); more is a regression."""
+    the 128-row backward at D = 64), the forward at D = 64 on three warpgroups where no score_mod is beside it. NVRTC 13.5: spill-free
+    but for the D = 128 backward (22-46 B; the keep bits of two column groups live through a group's gradient math)
+    and the D = 256 forward beside ALiBi (32 B); more is a regression."""
     for name, score, mask in (("none", None, None), ("alibi_causal", V.alibi(4), V.causal)):
         for kind in ("fwd", "bwd"):
             spec = make_spec(kind, score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=True, **SM90)
@@ -385,13 +396,14 @@ def test_dropout_kernels_compile(D):
             kernel = jit.get_kernel(spec)
             assert "dropout_keep_bits" in kernel.source
             assert_tma_fed_and_unserialised(kernel)
-            limit = 0 if kind == "fwd" or D == 64 else 48
+            # (D = 256: the backward spill-free, the forward's ALiBi beside Philox's state 32 B)
+            limit = 0 if (kind == "fwd" and D < 256) or D == 64 or (kind == "bwd" and D == 256) else 48
             assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{kind} {name} D={D}: {kernel.resources}"
 
 
 @needs_nvrtc
 @pytest.mark.usefixtures("isolated_kernel_cache")
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_buffer_gradient_kernels_compile(D):
     """Learnable score_mod buffers on the sm90 backward (non-deterministic): score_mod_bwd sums each gradient site
     per thread and every step flushes them, warp-merged (common/grad_flush.j2), over 64-row steps. Spill-free."""

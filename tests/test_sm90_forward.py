@@ -318,7 +318,7 @@ def test_forward_family_default():
 
     assert pick() == "sm90" and pick(D=64) == "sm90"
     assert pick(D=32) == pick(D=96) == pick(D=256) == "sm90" and pick(dropout=True) == "sm90"
-    assert pick(D=256, kind="bwd") == "sm80"  # (the sm90 backward: D = 32 to 128)
+    assert pick(D=256, kind="bwd") == "sm90"  # (the sm90 backward: every head dim of its forward)
     assert pick(D=128, kind="bwd") == pick(D=96, kind="bwd") == "sm90"
     assert pick(tiles=(("block_n", 128),)) == "sm80"  # forward tile options are sm80 tile choices
     assert pick(arch="sm_80") == "sm80" and pick(arch="sm_89", D=64) == "sm80"
@@ -327,8 +327,6 @@ def test_forward_family_default():
     assert pick(kind="bwd_preprocess") == "sm80"
     with pytest.raises(ValueError, match="allowed"):
         pick(requested="sm100")
-    with pytest.raises(ValueError, match=r"head dim 256 is not one of its backward's \(32, 64, 96, 128\)"):
-        pick(requested="sm90", D=256, kind="bwd")
 
 
 def test_emit_shows_what_flex_attention_runs():
@@ -338,7 +336,7 @@ def test_emit_shows_what_flex_attention_runs():
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", family="sm80").family == "sm80"
     assert make_spec("fwd", None, V.causal, head_dim=96, arch="sm_90a").family == "sm90"
     assert make_spec("bwd", None, V.causal, head_dim=96, arch="sm_90a").family == "sm90"
-    assert make_spec("bwd", None, V.causal, head_dim=256, arch="sm_90a").family == "sm80"
+    assert make_spec("bwd", None, V.causal, head_dim=256, arch="sm_90a").family == "sm90"
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_90a", block_n=32).family == "sm80"
     assert make_spec("fwd", None, V.causal, head_dim=128, arch="sm_80").family == "sm80"
     assert make_spec("bwd", None, V.causal, head_dim=128, arch="sm_90a").family == "sm90"
@@ -346,8 +344,8 @@ def test_emit_shows_what_flex_attention_runs():
 
 
 def test_sm90_refuses_what_it_does_not_cover():
-    with pytest.raises(ValueError, match="head dim 256 is not one of its backward's"):
-        make_spec("bwd", None, None, head_dim=256, arch="sm_90a", **SM90)
+    with pytest.raises(ValueError, match="at head dim 96 its deterministic backward"):
+        make_spec("bwd", None, None, head_dim=96, arch="sm_90a", deterministic=True, **SM90)
     with pytest.raises(ValueError, match="tile"):
         make_spec("fwd", None, None, head_dim=128, arch="sm_90a", block_n=32, **SM90)
 

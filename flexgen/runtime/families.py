@@ -227,7 +227,7 @@ class SM80(Family):
 
 class SM90(Family):
     """Hopper: wgmma, a producer warpgroup beside two consumer warpgroups, mbarriers. The forward (head dims 32,
-    64, 96, 128 and 256) and the main backward kernel (32, 64, 96 and 128; 32 and 96 not deterministic); the
+    64, 96, 128 and 256) and the main backward kernel (the same; 32 and 96 not deterministic); the
     backward's buffer gradients only in non-deterministic mode. Its tiles are fixed."""
 
     name = "sm90"
@@ -252,7 +252,6 @@ class SM90(Family):
     # D = 256: O's accumulator takes 128 registers of a consumer's 240, so S is 64 keys wide (32 more), and one Q
     # buffer fits beside two K / V stages (192 KB). Spill-free without a mod; ALiBi 20 B, documents 92 B.
     FWD_WIDE_HEAD_BLOCK_N = 64
-    BWD_HEAD_DIMS = (32, 64, 96, 128)  # (at 256 its dK and dV accumulators would not fit 240 registers)
     BWD = (64, 128, 8, 2)  # KV tile 128 (two consumer warpgroups x 64 keys), 64 query rows per step
     # At D = 64 a step of 64 query rows is short: its fixed costs (the waits for its products, the dX barrier, the
     # dQ hand-off) weigh as much as its products. 128 rows halve them per FLOP and fit 240 registers there (not
@@ -261,13 +260,14 @@ class SM90(Family):
     # element per score (a relative-bias table spills 228 B), nor with dropout (520-610 B) or buffer gradients
     # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
+    # D = 256: dK and dV of 64 keys over all of D would take 256 registers a thread, so both warpgroups work on the
+    # same 64 keys and split the head dim (templates/sm90/bwd.cu.j2, WIDE_HEAD).
+    BWD_WIDE_HEAD = (64, 64, 8, 2)
 
     def arch_refusal(self, arch: str) -> str | None:
         return None if arch in ("sm_90", "sm_90a") else f"it needs arch sm_90a (wgmma), not {arch}"
 
     def _refusal(self, call: Call) -> str | None:
-        if call.kind == "bwd" and call.head_dim not in self.BWD_HEAD_DIMS:
-            return f"head dim {call.head_dim} is not one of its backward's {self.BWD_HEAD_DIMS}"
         if call.kind == "bwd" and call.deterministic and call.head_dim != panel_width(call.head_dim):
             return f"at head dim {call.head_dim} its deterministic backward (plain stores, not TMA) is sm80's"
         if call.kind == "fwd" and call.head_dim == 32 and call.mask_loads:
@@ -321,6 +321,8 @@ class SM90(Family):
         return call.kind == "fwd" and call.blocks_follow_mask
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
+        if panel_width(call.head_dim) == 256:
+            return self.BWD_WIDE_HEAD
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
         wide = (panel_width(call.head_dim) == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
                 and not call.dropout and not call.buffer_grads)
