@@ -6,8 +6,8 @@ generated code, on a machine without a GPU.
 
 Covers both forward families (sm80 with and without dropout, sm90) at D=64 and 128 with a plain
 mask, a buffer-reading mask with a score_mod, a per-element score load and a transcendental
-score_mod, and the backward with two of them: sm80 at D=64 with and without dropout, sm90 at D=64
-and 128. Comments and the module-level copies of constants are dropped from the PTX before
+score_mod, and the backward with two of them: sm80 at D=64 with and without dropout, sm90 at D=64,
+128 and 256 (its own layout). Comments and the module-level copies of constants are dropped from the PTX before
 hashing (renaming or moving a constexpr changes only those).
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ def fingerprints() -> dict[str, str]:
                     spec = make_spec("fwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
                                      dropout=dropout, family=family)
                     out[f"{family}-D{head_dim}-{name}{'-dropout' if dropout else ''}"] = _hash(render(spec))
-    # The backward: sm80 at D=64 with and without dropout, sm90 at D=64 and 128.
-    bwd = [("sm80", 64, dropout) for dropout in (False, True)] + [("sm90", head_dim, False) for head_dim in (64, 128)]
+    # The backward: sm80 at D=64 with and without dropout, sm90 at D=64, 128 and 256.
+    bwd = [("sm80", 64, dropout) for dropout in (False, True)] + [("sm90", head_dim, False) for head_dim in (64, 128, 256)]
     for family, head_dim, dropout in bwd:
         for name in ("causal", "alibi_document"):
             score, mask = cases()[name]

@@ -1,6 +1,6 @@
 """The sm_90a wgmma probe (benchmarks/probes/wgmma_probe.py): compiles for sm_90a without
 spills and really uses wgmma (CPU); on a Hopper GPU, every shared-memory layout and
-descriptor it exercises gives A @ B.T."""
+descriptor it exercises gives the product torch gives (A @ B.T, P @ V, A.T @ B)."""
 from __future__ import annotations
 
 import importlib.util
@@ -60,12 +60,12 @@ def test_probe_runs_the_kernels_wgmma_wrappers(probe):
     """The probe's products are the kernels' own (sm90/wgmma_mma.j2), not hand-written copies."""
     assert "wgmma.mma_async" not in probe.PROBE_SOURCE.read_text()
     source = probe.source()
-    for name in ("probe_mma_ss_first", "probe_mma_ss", "probe_mma_rs"):
+    for name in ("probe_mma_ss_first", "probe_mma_ss", "probe_mma_rs", "probe_mma_tt"):
         assert f"void {name}(" in source
 
 
 @gpu
-@pytest.mark.parametrize("name", ["sw128", "sw128-k128", "none", "pv-mn-sw128"])
+@pytest.mark.parametrize("name", ["sw128", "sw128-k128", "none", "pv-mn-sw128", "at-mn-sw128"])
 def test_wgmma_matches_torch(probe, compiled, name):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("wgmma needs an sm_90 GPU")

@@ -98,6 +98,37 @@ __device__ __forceinline__ void probe_pv_body(unsigned short* sV, const unsigned
     probe_finish(d, C, tid);
 }
 
+// A^T B probe: C (64 x 64) = A^T * B, A and B bf16 row-major 64 x 64 in global memory ([k][m] and [k][n]), both
+// stored in the sw128 layout (rows = k) and read MN-major (imm-trans-a = imm-trans-b = 1), as the D = 256
+// backward reads P (for P^T) and dO in dV += P^T dO. lbo / sbo: the MN-major meanings, for both operands.
+__device__ __forceinline__ void probe_at_body(unsigned short* sA, unsigned short* sB, const unsigned short* A,
+                                              const unsigned short* B, float* C, unsigned lbo, unsigned sbo) {
+    const int tid = threadIdx.x;
+    probe_load_tile<64, true>(sA, A, tid);
+    probe_load_tile<64, true>(sB, B, tid);
+    fence_proxy_async_shared();
+    __syncthreads();
+
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+    const unsigned a0 = wgmma_smem_u32(sA), b0 = wgmma_smem_u32(sB);
+    wgmma_fence_operands(d);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)  // K step s: rows [16 s, 16 s + 16) of both, 16 rows * 128 bytes further
+        probe_mma_tt(d, wgmma_desc(a0 + s * 16 * 128, lbo, sbo, kSwizzle128B),
+                     wgmma_desc(b0 + s * 16 * 128, lbo, sbo, kSwizzle128B), s > 0);
+    probe_finish(d, C, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    wgmma_probe_at_sw128_n64(const unsigned short* A, const unsigned short* B, float* C, unsigned lbo, unsigned sbo) {
+    __shared__ __align__(1024) unsigned short sA[64 * 64];
+    __shared__ __align__(1024) unsigned short sB[64 * 64];
+    probe_at_body(sA, sB, A, B, C, lbo, sbo);
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     wgmma_probe_pv_sw128_n64(const unsigned short* P, const unsigned short* V, float* C, unsigned lbo, unsigned sbo) {
     __shared__ __align__(1024) unsigned short sV[64 * 64];

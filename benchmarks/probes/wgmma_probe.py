@@ -2,8 +2,9 @@
 wgmma.mma_async wrappers the kernels emit (flexgen/templates/sm90/wgmma_mma.j2).
 
 Compiles wgmma_probe.cu (beside this script) with NVRTC for sm_90a and, on a Hopper GPU,
-runs C = A @ B.T (A, B: 64 x K bf16, C: 64 x 64 fp32) for each shared-memory layout, and
-C = P @ V with P from registers and V MN-major (the forward's O += P V), and compares with torch. Checks at once: the matrix descriptors (start address, LBO, SBO, swizzle
+runs C = A @ B.T (A, B: 64 x K bf16, C: 64 x 64 fp32) for each shared-memory layout,
+C = P @ V with P from registers and V MN-major (the forward's O += P V), and C = A.T @ B with both read
+MN-major from shared memory (the D = 256 backward's dV += P^T dO), and compares with torch. Checks at once: the matrix descriptors (start address, LBO, SBO, swizzle
 bits), the 128-byte-swizzled and the non-swizzled operand layouts, the fence / commit / wait
 sequence and the accumulator -> (row, col) mapping.
 
@@ -41,6 +42,7 @@ class Mode:
     lbo: int  # bytes
     sbo: int  # bytes
     pv: bool = False  # C = A @ B (A from registers, B MN-major) instead of A @ B.T
+    at: bool = False  # C = A.T @ B (A and B in shared memory, both MN-major)
 
 
 MODES = {
@@ -53,15 +55,20 @@ MODES = {
     # O += P V of the sm90 forward: A from registers, B = V (64 x 64, [k][n]) MN-major, 128-byte swizzle.
     # MN-major: SBO = next 8-row group along K (1024); LBO = next 64-column panel along N (unused at N = 64).
     "pv-mn-sw128": Mode("wgmma_probe_pv_sw128_n64", 64, lbo=8192, sbo=1024, pv=True),
+    # dV += P^T dO of the D = 256 backward: A = P^T stored as P ([k][m], m contiguous) read MN-major (imm-trans-a),
+    # B = dO ([k][n]) MN-major, both 128-byte swizzled; the MN-major LBO / SBO for both.
+    "at-mn-sw128": Mode("wgmma_probe_at_sw128_n64", 64, lbo=8192, sbo=1024, at=True),
 }
 
 
 # The probe's products, from the kernels' own emitter: m64n64k16 bf16 with both operands in shared
-# memory (K-major; the first k-step and the accumulating ones) and A in registers, B MN-major.
+# memory (K-major; the first k-step and the accumulating ones), A in registers with B MN-major, and both
+# MN-major in shared memory.
 WRAPPERS = """{% import "sm90/wgmma_mma.j2" as wgmma %}
 {{ wgmma.mma("probe_mma_ss_first", 64, "bf16", first=true) }}
 {{ wgmma.mma("probe_mma_ss", 64, "bf16") }}
 {{ wgmma.mma("probe_mma_rs", 64, "bf16", a_in_registers=true, b_mn_major=true) }}
+{{ wgmma.mma("probe_mma_tt", 64, "bf16", a_mn_major=true, b_mn_major=true) }}
 """
 
 
@@ -99,7 +106,8 @@ def run(cubin: bytes, mode: Mode, lbo: int, sbo: int, seed: int = 0):
     fn((1, 1, 1), (128, 1, 1), (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()), np.uint64(c.data_ptr()),
                                 np.uint32(lbo), np.uint32(sbo)))
     torch.cuda.synchronize()
-    ref = a.float().cpu() @ (b.float().cpu() if mode.pv else b.float().cpu().T)
+    a_ref, b_ref = a.float().cpu(), b.float().cpu()
+    ref = a_ref.T @ b_ref if mode.at else a_ref @ (b_ref if mode.pv else b_ref.T)
     return c.cpu(), ref
 
 
