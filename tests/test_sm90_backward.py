@@ -100,6 +100,7 @@ def test_backward_family_default_and_refusals():
     assert pick(block=(256, 512)) == "sm90"
     assert pick(arch="sm_80") == "sm80" and pick(D=96) == pick(D=32) == pick(D=256) == "sm90"
     assert pick(D=256, deterministic=True) == pick(D=256, dropout=True) == "sm90"
+    assert pick(D=256, block=(64, 64)) == "sm90" and pick(D=256, block=(32, 64)) == "sm80"  # (its tile: 64 x 64)
     assert pick(D=96, deterministic=True) == "sm80" and pick(D=64, deterministic=True) == "sm90"
     assert pick(dropout=True) == "sm90" and pick(grads=True) == "sm90" and pick(tiles=True) == "sm80"
     assert pick(grads=True, deterministic=True) == "sm80" and pick(grads=True, dropout=True) == "sm80"
@@ -229,6 +230,20 @@ def test_sm90_backward_d64_block_sizes(name, block):
     from test_gpu_backward import Shape, check_variant
 
     check_variant(name, Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90,
+                  bm_kwargs={"BLOCK_SIZE": block})
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("name,block", [("causal", (64, 64)), ("sliding_window", (128, 64)), ("document", (64, 128)),
+                                        ("causal", (256, 256))])
+def test_sm90_backward_d256_block_sizes(name, block):
+    """At D = 256 the backward's tile is 64 x 64: block masks of 64-key blocks run on it too, and larger blocks are
+    walked in several steps and several CTAs per block."""
+    from test_gpu_backward import Shape, check_variant
+
+    assert make_spec("bwd", None, V.causal, head_dim=256, arch="sm_90a", mask_block=block).family == "sm90"
+    check_variant(name, Shape(1, 3, 700, 700), 256, torch.bfloat16, kernel_options=SM90,
                   bm_kwargs={"BLOCK_SIZE": block})
 
 
