@@ -22,6 +22,17 @@ __device__ __forceinline__ void probe_load_tile(unsigned short* smem, const unsi
     }
 }
 
+// Both operands into shared memory, visible to wgmma's async-proxy reads (generic-proxy stores, a proxy fence, then
+// the CTA barrier).
+template <int kK, bool kSwizzle128>
+__device__ __forceinline__ void probe_load_operands(unsigned short* sA, unsigned short* sB, const unsigned short* A,
+                                                    const unsigned short* B, int tid) {
+    probe_load_tile<kK, kSwizzle128>(sA, A, tid);
+    probe_load_tile<kK, kSwizzle128>(sB, B, tid);
+    fence_proxy_async_shared();
+    __syncthreads();
+}
+
 // Closes the batch of wgmmas, waits for it, and writes the 64 x 64 accumulator to C (row-major).
 __device__ __forceinline__ void probe_finish(float (&d)[32], float* C, int tid) {
     wgmma_commit_group();
@@ -39,10 +50,7 @@ template <int kK, bool kSwizzle128>
 __device__ __forceinline__ void probe_body(unsigned short* sA, unsigned short* sB, const unsigned short* A,
                                            const unsigned short* B, float* C, unsigned lbo, unsigned sbo) {
     const int tid = threadIdx.x;
-    probe_load_tile<kK, kSwizzle128>(sA, A, tid);
-    probe_load_tile<kK, kSwizzle128>(sB, B, tid);
-    fence_proxy_async_shared();  // generic-proxy stores -> visible to wgmma's async-proxy reads
-    __syncthreads();
+    probe_load_operands<kK, kSwizzle128>(sA, sB, A, B, tid);
 
     float d[32];
 #pragma unroll
@@ -104,10 +112,7 @@ __device__ __forceinline__ void probe_pv_body(unsigned short* sV, const unsigned
 __device__ __forceinline__ void probe_at_body(unsigned short* sA, unsigned short* sB, const unsigned short* A,
                                               const unsigned short* B, float* C, unsigned lbo, unsigned sbo) {
     const int tid = threadIdx.x;
-    probe_load_tile<64, true>(sA, A, tid);
-    probe_load_tile<64, true>(sB, B, tid);
-    fence_proxy_async_shared();
-    __syncthreads();
+    probe_load_operands<64, true>(sA, sB, A, B, tid);
 
     float d[32];
 #pragma unroll
