@@ -223,28 +223,19 @@ def test_sm90_backward_lengths(name, lq, lkv, D):
 
 @gpu
 @hopper
-@pytest.mark.parametrize("name,block", [("causal", (64, 128)), ("sliding_window", (256, 128)), ("causal", (128, 256))])
-def test_sm90_backward_d64_block_sizes(name, block):
-    """At D = 64 the backward steps over 128 query rows, or 64 under a block mask of 64-row blocks; a larger block
-    is walked in several steps."""
+@pytest.mark.parametrize("D,name,block", [(64, "causal", (64, 128)), (64, "sliding_window", (256, 128)),
+                                          (64, "causal", (128, 256)), (256, "causal", (64, 64)),
+                                          (256, "sliding_window", (128, 64)), (256, "document", (64, 128)),
+                                          (256, "causal", (256, 256))])
+def test_sm90_backward_block_sizes(D, name, block):
+    """At D = 64 the backward steps over 128 query rows, or 64 under a block mask of 64-row blocks; at D = 256 its
+    tile is 64 x 64, so block masks of 64-key blocks run on it too. A larger block is walked in several steps (and
+    at D = 256 by several CTAs)."""
     from test_gpu_backward import Shape, check_variant
 
-    check_variant(name, Shape(2, 3, 1000, 1000), 64, torch.bfloat16, kernel_options=SM90,
-                  bm_kwargs={"BLOCK_SIZE": block})
-
-
-@gpu
-@hopper
-@pytest.mark.parametrize("name,block", [("causal", (64, 64)), ("sliding_window", (128, 64)), ("document", (64, 128)),
-                                        ("causal", (256, 256))])
-def test_sm90_backward_d256_block_sizes(name, block):
-    """At D = 256 the backward's tile is 64 x 64: block masks of 64-key blocks run on it too, and larger blocks are
-    walked in several steps and several CTAs per block."""
-    from test_gpu_backward import Shape, check_variant
-
-    assert make_spec("bwd", None, V.causal, head_dim=256, arch="sm_90a", mask_block=block).family == "sm90"
-    check_variant(name, Shape(1, 3, 700, 700), 256, torch.bfloat16, kernel_options=SM90,
-                  bm_kwargs={"BLOCK_SIZE": block})
+    assert make_spec("bwd", None, V.causal, head_dim=D, arch="sm_90a", mask_block=block).family == "sm90"
+    shape = Shape(2, 3, 1000, 1000) if D == 64 else Shape(1, 3, 700, 700)
+    check_variant(name, shape, D, torch.bfloat16, kernel_options=SM90, bm_kwargs={"BLOCK_SIZE": block})
 
 
 @gpu
