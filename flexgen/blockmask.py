@@ -19,6 +19,7 @@ import torch
 from . import blockmask_validate as check
 from .blockmask_cache import cached_per_mask, capturing
 from .dsl.mod import Mod
+from .dynamo_marks import assume_constant_result
 
 DEFAULT_BLOCK_SIZE = 128
 # PyTorch's "empty" block mask (its _create_empty_block_mask) is one block this large with lengths (1, 1): it
@@ -50,6 +51,22 @@ def _torch_dq_fields() -> int:
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
     return 4 if "dq_write_order" in inspect.signature(TorchBlockMask.__init__).parameters else 0
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_getitem_drops_int_dims() -> bool:
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    one = dict(dtype=torch.int32)
+    probe = TorchBlockMask.from_kv_blocks(torch.ones(2, 1, 1, **one), torch.zeros(2, 1, 1, 1, **one), BLOCK_SIZE=128)
+    return probe[0].kv_num_blocks.dim() == 2
+
+
+@assume_constant_result
+def torch_int_index_drops_dim() -> bool:
+    """Whether the installed PyTorch's BlockMask[int] drops that dimension (as torch 2.11's does) or keeps it with
+    size 1 (as from torch 2.13 on): asked of a two-block mask of its own, once."""
+    return _torch_getitem_drops_int_dims()
 
 
 def _pair(block_size) -> tuple[int, int]:
@@ -228,9 +245,10 @@ class BlockMask:
 
     @classmethod
     def from_torch(cls, bm) -> "BlockMask":
-        """Adopt a torch.nn.attention.flex_attention.BlockMask as it is."""
+        """Adopt a torch.nn.attention.flex_attention.BlockMask as it is, with the (B, H) dimensions it leaves out
+        put back as 1, which broadcast: PyTorch reads lists of (nQ, nKV) or (H, nQ, nKV) that way."""
         if isinstance(bm, BlockMask):
-            return bm
+            return bm._with_batch_and_heads()
         n_kv = _kv_blocks(bm)
         kv_num, kv_idx, fkv_num, fkv_idx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
         # PyTorch's PagedAttention lists page -1 for the logical blocks it has reserved no pages for (its mask_mod
@@ -247,7 +265,15 @@ class BlockMask:
         return cls(
             tuple(bm.seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx,
             q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
-        )
+        )._with_batch_and_heads()
+
+    def _with_batch_and_heads(self) -> "BlockMask":
+        """The mask with lists of (B, H, nQ[, nKV]): the leading dimensions a slice or a hand-made mask left out
+        become 1."""
+        missing = 4 - self.kv_indices.dim()
+        if missing <= 0:
+            return self
+        return self._map_tensors(lambda t: t.reshape((1,) * missing + tuple(t.shape)))
 
     # ------------------------------------------------------------ pytree
     @classmethod
@@ -315,26 +341,36 @@ class BlockMask:
         )
 
     def __getitem__(self, index) -> "BlockMask":
-        """The mask of some batches, heads or query blocks, like PyTorch's: an int keeps its
-        dimension (mask[0] has B = 1). The result has no mask_mod (its positions no longer match
-        the original's); set one for the slice before attending with it."""
+        """The mask of some batches, heads or query blocks, like the installed PyTorch's: an int on the batch or
+        head dimension drops it where PyTorch's BlockMask does (torch 2.11: mask[0] has lists of (H, nQ)) and keeps
+        it with size 1 where PyTorch's does (torch 2.13); an int on the query-block dimension keeps it. The result
+        has no mask_mod (its positions no longer match the original's); set one for the slice before attending
+        with it."""
         index = index if isinstance(index, tuple) else (index,)
-        if len(index) > 3:
-            raise IndexError(f"a BlockMask takes at most 3 indices (batch, head, query block), got {len(index)}")
-        sizes = self.kv_num_blocks.shape[:3]
-        picks = []
-        for i, n, dim in zip((*index, slice(None), slice(None), slice(None)), sizes, ("batch", "head", "query block")):
+        sizes = tuple(self.kv_num_blocks.shape)
+        if len(index) > len(sizes):
+            raise IndexError(f"this BlockMask takes at most {len(sizes)} indices (batch, head, query block, the "
+                             f"leading ones as its lists have them), got {len(index)}")
+        dims = ("batch", "head", "query block")[-len(sizes):]
+        picks, ints = [], []
+        for i, n, dim in zip((*index, *(slice(None),) * len(sizes)), sizes, dims):
             if isinstance(i, int) and not isinstance(i, bool):
                 if not -n <= i < n:
                     raise IndexError(f"BlockMask index {i} is out of range for {dim} of size {n}")
+                ints.append(len(picks))
                 i = slice(i % n, i % n + 1)
             picks.append(i)
         picks = tuple(picks)
         pick = lambda t: None if t is None else t[picks]  # noqa: E731
-        return BlockMask.from_kv_blocks(
+        sliced = BlockMask.from_kv_blocks(
             pick(self.kv_num_blocks), pick(self.kv_indices), pick(self.full_kv_num_blocks), pick(self.full_kv_indices),
             self.BLOCK_SIZE, sliced_mask_mod if self.mask_mod is not None else None, self.seq_lengths,
         )
+        # from_kv_blocks gave lists of (B, H, ...): this mask's own leading dimensions are the last of B and H
+        lead = len(sizes) - 1
+        drop = [lead_dim for lead_dim in ints if lead_dim < lead] if torch_int_index_drops_dim() else []
+        keep = (0,) * (2 - lead) + tuple(0 if d in drop else slice(None) for d in range(lead))
+        return sliced if keep == (slice(None),) * 2 else sliced._map_tensors(lambda t: t[keep])
 
     @property
     def device(self) -> torch.device:
@@ -427,10 +463,11 @@ class BlockMask:
         return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n)"
 
     def __repr__(self) -> str:
-        b, h, q_len, kv_len = self.shape
+        *lead, q_len, kv_len = self.shape
+        dims = "".join(f"{d}={n}, " for d, n in zip(("B", "H")[2 - len(lead):], lead))  # (a slice may drop B or H)
         name = getattr(self.mask_mod, "name", getattr(self.mask_mod, "__name__", "noop")) if self.mask_mod is not None else "noop"
         lines = [
-            f"BlockMask(shape=(B={b}, H={h}, Q_LEN={q_len}, KV_LEN={kv_len}), BLOCK_SIZE={self.BLOCK_SIZE}, "
+            f"BlockMask(shape=({dims}Q_LEN={q_len}, KV_LEN={kv_len}), BLOCK_SIZE={self.BLOCK_SIZE}, "
             f"sparsity={self.sparsity():.2f}%, mask_mod={name})"
         ]
         dense = self.to_dense()

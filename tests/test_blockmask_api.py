@@ -301,6 +301,65 @@ def test_getitem_refuses_out_of_range():
     assert sparse[1].mask_mod is None and sparse[1].shape == (1, 1, 256, 256)  # nothing to lose
 
 
+@pytest.mark.parametrize("drops", [False, True])
+@pytest.mark.parametrize("index", [0, -1, (0, 1), (slice(None), 2), (1, slice(None), torch.tensor([0, 2])), (0, 1, 3),
+                                   (slice(0, 2), -1)])
+def test_getitem_int_dims_follow_torch(index, drops, per_head_masks, monkeypatch):
+    """An int on B or H drops that dimension where the installed PyTorch's BlockMask does (torch 2.11) and keeps
+    it where it does (2.13): the lists are then the original's indexed as tensors, ints on B and H as they are and
+    an int on the query blocks as a one-block slice."""
+    import flexgen.blockmask as bm_module
+
+    monkeypatch.setattr(bm_module, "_torch_getitem_drops_int_dims", lambda: drops)
+    mask = per_head_masks[0]
+    index = index if isinstance(index, tuple) else (index,)
+    as_tensor = tuple(slice(i % n, i % n + 1) if isinstance(i, int) and (not drops or dim == 2) else i
+                      for dim, (i, n) in enumerate(zip(index, mask.kv_num_blocks.shape)))
+    sliced = mask[index]
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(sliced, name), getattr(mask, name)[as_tensor]), name
+    assert torch.equal(sliced.to_dense(), mask.to_dense()[as_tensor])
+    assert sliced.shape == tuple(mask.kv_indices[as_tensor].shape[:-2]) + tuple(mask.seq_lengths)
+    rows = BlockMask.from_kv_blocks(sliced.kv_num_blocks, sliced.kv_indices, sliced.full_kv_num_blocks,
+                                    sliced.full_kv_indices, sliced.BLOCK_SIZE, seq_lengths=sliced.seq_lengths)
+    assert torch.equal(sliced.q_num_blocks.reshape(rows.q_num_blocks.shape), rows.q_num_blocks)
+    assert repr(sliced).startswith("BlockMask(shape=(") and str(sliced).startswith("BlockMask(")
+    again = sliced[0]  # a slice indexes again along its own leading dimension
+    assert torch.equal(again.kv_num_blocks, sliced.kv_num_blocks[(slice(0, 1),) if not drops or
+                                                                  sliced.kv_num_blocks.dim() == 1 else (0,)])
+
+
+def test_getitem_semantics_probe_matches_torch():
+    from flexgen.blockmask import torch_int_index_drops_dim
+
+    theirs = fa.BlockMask.from_kv_blocks(torch.ones(3, 2, 1, dtype=torch.int32), torch.zeros(3, 2, 1, 1, dtype=torch.int32))
+    assert torch_int_index_drops_dim() == (theirs[1].kv_num_blocks.dim() == 2)
+
+
+@pytest.mark.parametrize("lead", [0, 1])
+def test_lists_without_batch_or_heads_attend_as_pytorch_reads_them(lead):
+    """PyTorch reads lists of (nQ, nKV) and (H, nQ, nKV) with B and H of 1 in front: flexgen's slices with dropped
+    dimensions and PyTorch's hand-made masks of that shape attend the same as their four-dimensional form."""
+    g = torch.Generator().manual_seed(11 + lead)
+    H, bs, n = 3, 64, 4
+    counts, indices, _ = random_lists(g, 1, H if lead else 1, n, n)
+    counts[..., :] = counts.clamp(min=1)  # (no query row without keys)
+    counts, indices = counts[0, 0] if not lead else counts[0], indices[0, 0] if not lead else indices[0]
+    q, k, v = (torch.randn(2, H, n * bs, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    theirs = fa.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=bs, mask_mod=causal)
+    four = fa.BlockMask.from_kv_blocks(counts.reshape((1,) * (2 - lead) + counts.shape),
+                                       indices.reshape((1,) * (2 - lead) + indices.shape), BLOCK_SIZE=bs,
+                                       mask_mod=causal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flexgen.flex_attention(q, k, v, block_mask=theirs)
+        assert torch.equal(out, flexgen.flex_attention(q, k, v, block_mask=four))
+        keep = fa.create_mask(causal, None, None, n * bs, n * bs, device="cpu") & four.to_dense().bool().repeat_interleave(
+            bs, -2).repeat_interleave(bs, -1)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, _dense_attention(q, k, v, keep), atol=1e-10, rtol=1e-10)
+
+
 def score_alibi_window(score, b, h, q, kv):
     return torch.where(q - kv > 100 * (h + 1), -float("inf"), score + (kv - q) * 0.5)
 
