@@ -151,8 +151,9 @@ class Tracer:
             if other.device != tensor.device:
                 raise self.error(
                     UnsupportedBufferError,
-                    f"buffer '{name}' is on {tensor.device} but buffer '{other_name}' is on {other.device}; "
-                    "all buffers of one mod must be on the same device",
+                    f"Buffers cannot be created across devices in one mod: buffer '{name}' is on {tensor.device} "
+                    f"but buffer '{other_name}' is on {other.device}; all buffers of one mod must be on the same "
+                    "device (move them with .to(device) outside the mod, once)",
                 )
 
     def _fresh_name(self, base: str) -> str:
@@ -1066,9 +1067,14 @@ class PartialIndex(ArrayValue):
     def elements(self) -> "Vector":
         shape = tuple(self.shape)
         if vectors.numel(shape) > vectors.MAX_ELEMENTS:
-            raise self.too_few_error(
-                f"; a computation over the remaining dimensions (shape {shape}) is supported up to "
-                f"{vectors.MAX_ELEMENTS} elements"
+            # (it opens with the words of PyTorch's error for the same mod, which it cannot lower either)
+            raise self.tracer.error(
+                IndexingError,
+                f"Buffers cannot be created in a score_mod / mask_mod past {vectors.MAX_ELEMENTS} elements: buffer "
+                f"'{self.spec.name}' indexed in {len(self.nodes)} of its {self.spec.ndim} dimensions leaves a tensor of "
+                f"shape {shape}, and a computation over one (a sum, a norm) is unrolled only up to "
+                f"{vectors.MAX_ELEMENTS} elements; compute it outside the mod and capture the result (a value per "
+                f"index, or per (q_idx, kv_idx) pair), or index every dimension (e.g. {self.spec.name}[h, q_idx])",
             )
         items = [ir.load(self.spec, self.nodes + _constant_index(j, shape)) for j in range(vectors.numel(shape))]
         return Vector(self.tracer, shape, items, self._too_few())
