@@ -11,8 +11,12 @@ learnable buffer. So:
   again in traced code along the recorded paths (closure cell, module global, attribute);
 - a comptime hook (`_classify`) tells the traced code how dynamo holds the function before it
   touches it: a function made inside the compiled region whose closure holds values of the
-  trace (tensors made there, traced sizes) has no Python value dynamo can hand over, and
-  flex_attention graph-breaks into eager (an error under fullgraph=True, with the reason);
+  trace (tensors made there, traced sizes) has no Python value dynamo can hand over, so
+  another hook (`_capture_closure`) builds a stand-in over plain values of the same dtypes
+  and shapes for the tracer, and hands the traced code the closure's contents as dynamo holds
+  them, from which the buffers are taken; where a cell holds what it cannot stand in for (a
+  module, a dict), flex_attention graph-breaks into eager (an error under fullgraph=True,
+  with the reason);
 - a number in a closure that dynamo made symbolic (dynamic=True) is specialised by another
   hook (`_specialise_numbers`): it is part of the kernel, so dynamo guards on its value.
 """
@@ -375,8 +379,144 @@ def _specialise_numbers(ctx) -> None:
     values = []
     for i, cell in enumerate(cells):
         sym = getattr(cell, "sym_num", None)
-        values.append(None if sym is None else _AT_RUN_TIME if i in ints else repr(guard_scalar(sym)))
+        values.append(_tensor_ident(cell) if sym is None else _AT_RUN_TIME if i in ints else repr(guard_scalar(sym)))
     _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
+
+
+def _tensor_ident(vt) -> tuple | None:
+    """(trace time) For a plain tensor in a closure cell, what the trace of the function may read of it: its dtype and
+    shape (a symbolic size is specialised, so dynamo guards on it), not its identity, so that a function made anew at
+    each step over that step's tensor runs one graph; None for anything else."""
+    from torch._dynamo.variables import TensorVariable
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    if not isinstance(vt, TensorVariable) or vt.python_type() is not torch.Tensor:
+        return None
+    fake = vt.as_proxy().node.meta.get("example_value")
+    if fake is None:
+        return None
+    return ("tensor", str(fake.dtype), tuple(guard_int(n) if isinstance(n, torch.SymInt) else int(n) for n in fake.shape))
+
+
+# Function code site -> a Python stand-in for a function made inside the compiled region (held "opaque"), written by
+# _capture_closure at trace time: the function's code over cells holding plain values in place of the trace's (a
+# zero tensor of a captured tensor's dtype and shape, a 0-dim int32 tensor for a symbolic integer read at run time,
+# a stand-in of a helper function made there too), which flexgen's tracer takes; None where a cell holds something
+# else (a module, a dict), and flex_attention then breaks the graph.
+_STAND_INS: dict[str, Any] = {}
+
+
+class _NoStandIn(Exception):
+    pass
+
+
+def _stand_in(tx, vt, ints_at_run_time: bool) -> tuple[Any, Any]:
+    """(trace time) A plain value standing in for what a closure cell holds, and what traced code reaches it by: the
+    variable itself, or for a function (whose __closure__ traced code cannot read) the tuple of its cells' contents,
+    so that a path's "closure" steps become indices (_follow_captured)."""
+    from torch._dynamo.variables import (ListVariable, NestedUserFunctionVariable, SymNodeVariable, TensorVariable,
+                                         TupleVariable)
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    if type(vt) in (ListVariable, TupleVariable):
+        pairs = [_stand_in(tx, item, ints_at_run_time) for item in vt.items]
+        values = [value for value, _ in pairs]
+        return (values if type(vt) is ListVariable else tuple(values)), type(vt)([held for _, held in pairs])
+    if isinstance(vt, NestedUserFunctionVariable):
+        cells = [tx.output.side_effects.load_cell(cell) for cell in vt.closure.items] if vt.closure else []
+        pairs = [_stand_in(tx, cell, ints_at_run_time) for cell in cells]
+        code = vt.get_code()
+        defaults = vt.defaults.as_python_constant() if vt.defaults is not None else None
+        fn = types.FunctionType(code, vt.f_globals, code.co_name, defaults,
+                                tuple(types.CellType(value) for value, _ in pairs) or None)
+        return fn, TupleVariable([held for _, held in pairs])
+    if isinstance(vt, TensorVariable):
+        fake = vt.as_proxy().node.meta.get("example_value")
+        if fake is None or fake.layout != torch.strided:
+            raise _NoStandIn
+        shape = tuple(int(n) for n in fake.shape)  # (a symbolic size is specialised: the trace may unroll over it)
+        return torch.zeros(shape, dtype=fake.dtype), vt
+    if isinstance(vt, SymNodeVariable):
+        sym = vt.sym_num
+        if isinstance(sym, torch.SymInt) and ints_at_run_time:
+            return torch.zeros((), dtype=torch.int32).as_subclass(_RunTimeInt), vt
+        return guard_scalar(sym), vt
+    try:
+        value = vt.as_python_constant()
+    except Exception:
+        raise _NoStandIn from None
+    if value is None or isinstance(value, (bool, int, float, str, tuple)) or callable(value):
+        return value, vt
+    raise _NoStandIn
+
+
+def _capture_closure(ctx) -> None:
+    """(comptime) For a function made inside the compiled region over values of the trace: a stand-in Python
+    function for the tracer (_STAND_INS) and, as the local `captured` of the traced code, its closure's contents as
+    dynamo holds them (graph tensors and symbolic numbers), from which the buffers are taken. Integers are first
+    tried as values the kernel reads at run time, as for a function made outside (_specialise_numbers)."""
+    site = ctx.get_local("site").as_python_constant()
+    kind = ctx.get_local("kind").as_python_constant()
+    _STAND_INS[site] = None
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()  # (comptime has no setter for a local)
+    for ints_at_run_time in (True, False):
+        try:
+            stand_in, held = _stand_in(tx, _traced_variable(ctx, "func"), ints_at_run_time)
+        except Exception:  # _NoStandIn, or another torch version's variables
+            return
+        if not ints_at_run_time or _traces_with_buffers(stand_in, kind, ()):
+            break
+    try:
+        mod = _traced(stand_in, kind)
+    except Exception:  # (the tracer's own error is raised where the token is made, with its message)
+        mod = None
+    if mod is not None and not all(_followable(path) for path in buffer_paths(stand_in, mod.buffer_tensors)):
+        return
+    _STAND_INS[site] = stand_in
+    tx.symbolic_locals["captured"] = held
+
+
+def _followable(path: tuple | None) -> bool:
+    """Whether _follow_captured takes the path: closure cells, items and attributes, or a global first."""
+    return path is not None and all(kind in ("closure", "item", "attr") or (kind == "global" and n == 0)
+                                    for n, (kind, _) in enumerate(path))
+
+
+@assume_constant_result
+def _stand_in_token(kind: str, site: str) -> str:
+    mod = _traced(_STAND_INS[site], kind)
+    return "" if mod is None else mod.token
+
+
+@assume_constant_result
+def _stand_in_buffer_paths(kind: str, site: str) -> tuple:
+    """For each buffer of the stand-in's Mod, the module of its globals and how to reach the tensor (see
+    _follow_captured)."""
+    fn = _STAND_INS[site]
+    return tuple((fn.__module__, *path) for path in _buffer_paths(kind, fn, None, ()))
+
+
+def _captured_buffers(captured: tuple, paths: tuple, device) -> tuple:
+    """Traced by dynamo. (A function of its own: a generator over `captured` in _compiled_parts would make it a
+    closure cell there, which _capture_closure does not set.)"""
+    return tuple(_as_buffer(_follow_captured(captured, path), device) for path in paths)
+
+
+def _follow_captured(captured: tuple, path: tuple):
+    """Traced by dynamo: from the stand-in's closure as dynamo holds it, where a function is the tuple of its cells'
+    contents."""
+    module, *steps = path
+    obj = captured
+    for kind, arg in steps:
+        if kind == "global":
+            obj = getattr(_GLOBAL_MODULES[module], arg)
+        elif kind == "item" or (kind == "closure" and isinstance(obj, tuple)):
+            obj = obj[arg]
+        elif kind == "closure":  # (a function made outside, which dynamo reads as it is)
+            obj = obj.__closure__[arg].cell_contents
+        else:
+            obj = getattr(obj, arg)
+    return obj
 
 
 class _ValueUnknown(Exception):
@@ -434,6 +574,16 @@ def _guard_ident(x) -> tuple:
     return ("id", id(x))
 
 
+@assume_constant_result
+def _written_at_trace_time(table: str, site: str):
+    """What a comptime hook wrote for the site (whether there is a stand-in, for "stand_in"), read when dynamo runs
+    the traced code: a dict read there directly would come from dynamo's copy of the dict, made at its first read in
+    the trace (before this site's entry, where one trace holds two functions)."""
+    if table == "stand_in":
+        return _STAND_INS.get(site) is not None
+    return (_HELD if table == "held" else _SPECIALISED)[site]
+
+
 def _compiled_parts(fn, kind: str, device):
     """Traced by dynamo."""
     from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
@@ -441,18 +591,22 @@ def _compiled_parts(fn, kind: str, device):
     func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
     site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"
     comptime(_classify)
-    held = _HELD[site]
+    held = _written_at_trace_time("held", site)
     if held == "opaque":
-        return None  # (flex_attention runs it through the eager fallback)
+        captured = ()
+        comptime(_capture_closure)  # (sets `captured` to the closure's values as the trace holds them)
+        if not _written_at_trace_time("stand_in", site):
+            return None  # (flex_attention runs it through the eager fallback)
+        return _stand_in_token(kind, site), _captured_buffers(captured, _stand_in_buffer_paths(kind, site), device)
     ident = ()
     if held == "outside":
         # id() makes dynamo guard on each captured object, which is what the trace depends on (not on the function
         # object); a captured number or string is guarded on by value (dynamo takes no id() of a constant).
         cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
         comptime(_specialise_numbers)
-        plain = _SPECIALISED[site]
-        ident = tuple(_guard_ident(x) if value is None else (value,) if value == _AT_RUN_TIME else ("value", value)
-                      for x, value in zip(cells, plain))
+        plain = _written_at_trace_time("specialised", site)
+        ident = tuple(_guard_ident(x) if value is None else (value,) if value == _AT_RUN_TIME else
+                      value if isinstance(value, tuple) else ("value", value) for x, value in zip(cells, plain))
     token = _function_token(kind, func, owner, ident)
     return token, tuple(_as_buffer(_follow(fn, p), device) for p in _buffer_paths(kind, func, owner, ident))
 

@@ -174,18 +174,188 @@ def test_fullgraph_learnable_alibi(how):
     assert "flexgen.attention_bwd.default" in targets(rec.bw[0])
 
 
-def test_score_mod_capturing_a_tensor_inside_forward_breaks_the_graph_clearly():
-    fn, _ = compiled(Alibi("in_forward"))
-    with pytest.raises(Exception, match="define it outside"):
-        fn(*qkv())
-    # without fullgraph: one graph break, correct gradients, compiled once for every step
+def test_score_mod_made_inside_forward_over_a_tensor_of_the_trace_is_one_graph():
+    """A score_mod defined in forward over a tensor read there (the slopes, through a local): dynamo holds no Python
+    function for it; flexgen traces a stand-in over the tensor's dtype and shape and takes the tensor from the
+    closure as dynamo holds it, so fullgraph=True works, the tensor is a buffer of the op and gets gradients."""
     module = Alibi("in_forward")
-    fn, rec = compiled(module, fullgraph=False)
-    counters.clear()
+    fn, rec = compiled(module, Recorder(aot=True))
     for _ in range(3):
         fn(*qkv()).sum().backward()
     assert module.slopes.grad is not None
     assert len(rec.graphs) == 1 and "flexgen.attention_fwd.default" in targets(rec.graphs[0])
+    assert "flexgen.attention_bwd.default" in targets(rec.bw[0])
+
+
+class InnerHelper(nn.Module):
+    """A score_mod made in forward that calls another function made there, over a tensor made there."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(H))
+
+    def forward(self, q, k, v):
+        slopes = self.slopes * 2
+
+        def slope(h):
+            return slopes[h]
+
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + slope(h) * (ki - qi))
+
+
+def test_score_mod_calling_a_function_made_inside_is_one_graph():
+    module = InnerHelper()
+    fn, rec = compiled(module, Recorder(aot=True))
+    for _ in range(3):
+        fn(*qkv()).sum().backward()
+    assert module.slopes.grad is not None
+    assert len(rec.graphs) == 1 and "flexgen.attention_bwd.default" in targets(rec.bw[0])
+
+
+class DictClosure(nn.Module):
+    """A score_mod made in forward over a dict of tensors made there: no stand-in (dicts are not handed over), so
+    flex_attention breaks the graph, with its reason under fullgraph=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(H))
+
+    def forward(self, q, k, v):
+        table = {"slopes": self.slopes * 2}
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table["slopes"][h] * (ki - qi))
+
+
+def test_score_mod_over_a_dict_made_inside_breaks_the_graph_clearly():
+    fn, _ = compiled(DictClosure())
+    with pytest.raises(Exception, match="define it outside"):
+        fn(*qkv())
+    module = DictClosure()  # without fullgraph: a graph break, correct gradients
+    fn, rec = compiled(module, fullgraph=False)
+    fn(*qkv()).sum().backward()
+    assert module.slopes.grad is not None
+    assert any("flexgen.attention_fwd.default" in targets(g) for g in rec.graphs)
+
+
+def test_a_score_mod_over_a_fresh_tensor_each_call_runs_one_graph():
+    """The trace reads a captured tensor's dtype and shape, not its identity: a function made anew each call over a
+    new tensor (a batch's document ids) runs the graph compiled for the first; a strided view recompiles."""
+    def make(t):
+        return lambda s, b, h, qi, ki: s + t[h]
+
+    rec = Recorder()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, sm: flexgen.flex_attention(q, k, v, score_mod=sm), backend=rec, fullgraph=True)
+    for _ in range(4):
+        fn(*qkv(), make(torch.rand(H)))
+    assert len(rec.graphs) == 1
+    fn(*qkv(), make(torch.rand(H, 3)[:, 0]))
+    assert len(rec.graphs) == 2
+
+
+class SizeClosure(nn.Module):
+    """PyTorch's test_symbol_closure_in_score_mod: a score_mod made in forward over a size of the input."""
+
+    def __init__(self, dim=128, n_head=2):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim, device=META, dtype=torch.bfloat16)
+        self.n_head, self.head_dim = n_head, dim // n_head
+
+    def forward(self, x):
+        batch, length, _ = x.size()
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + batch)
+
+
+def test_score_mod_made_inside_over_a_symbolic_size_runs_one_graph():
+    """Under dynamic=True the captured size is symbolic: the kernel reads it at run time (a 0-dim int32 buffer made
+    in the graph), so every batch size runs the one graph."""
+    fn, rec = compiled(SizeClosure())
+    fn = torch.compile(SizeClosure(), backend=rec, fullgraph=True, dynamic=True)
+    for batch in (4, 16, 32):
+        assert fn(torch.randn(batch, 64, 128, device=META, dtype=torch.bfloat16)).shape == (batch, 2, 64, 64)
+    assert len(rec.graphs) == 1
+    (node,) = [n for n in rec.graphs[0].graph.nodes if str(n.target) == "flexgen.attention_fwd.default"]
+    (buffer,) = node.args[11]
+    assert buffer.target is torch.full and buffer.kwargs["dtype"] == torch.int32
+
+
+def _eager_and_compiled(module, *shapes, dynamic=False):
+    """Outputs and input gradients of the module eager and compiled (fullgraph, aot_eager), float64 on the CPU,
+    where both run flexgen's unfused path (the compiled one through the ops)."""
+    torch._dynamo.reset()
+    fn = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    results = []
+    for shape in shapes:
+        inputs = [torch.randn(shape, dtype=torch.float64) for _ in range(3)]
+        pair = []
+        for f in (module, fn):
+            ins = [t.clone().requires_grad_() for t in inputs]
+            out = f(*ins)
+            out.backward(torch.ones_like(out))
+            params = [p.grad.clone() for p in module.parameters()]
+            module.zero_grad()
+            pair.append((out.detach(), [t.grad for t in ins], params))
+        results.append(pair)
+    return results
+
+
+class ViewBuffer(nn.Module):
+    """PyTorch's test_load_from_view_buffer: the score_mod reads a view of a tensor computed from q in forward."""
+
+    def __init__(self, heads=4, d=16, w=8):
+        super().__init__()
+        self.rel_pos = nn.Parameter(torch.randn(2 * heads - 1, d, dtype=torch.float64))
+        self.heads, self.w = heads, w
+
+    def forward(self, q, k, v):
+        b, heads, w = q.shape[0], self.heads, self.w
+        coords = torch.arange(heads)[:, None] - torch.arange(heads)[None, :] + heads - 1
+        rel = torch.einsum("bhwc,hkc->bhwk", q.reshape(b * heads, heads, w, -1), self.rel_pos[coords])
+        rel = rel.reshape(b, heads, heads * w, heads, 1).squeeze(-1)
+
+        def score_mod(score, batch, head, q_idx, k_idx):
+            return score + rel[batch, head, q_idx, k_idx // w]
+
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod)
+
+
+class ListAndSize(nn.Module):
+    """A list of tensors of the trace and a size, captured by a mask and a score_mod made in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(4, dtype=torch.float64))
+
+    def forward(self, q, k, v):
+        length = q.shape[2]
+        scales = [self.slopes * 0.5, self.slopes.flip(0)]
+
+        def score_mod(s, b, h, qi, ki):
+            return s + scales[0][h] * (ki - qi) / length + scales[1][h]
+
+        mask = flexgen.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cpu")
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
+
+
+@pytest.mark.parametrize("module,shapes,dynamic", [
+    (ViewBuffer, [(2, 4, 32, 16)], False),
+    (ListAndSize, [(2, 4, 40, 16), (2, 4, 56, 16)], False),
+    (ListAndSize, [(2, 4, 40, 16), (2, 4, 56, 16)], True),
+])
+def test_score_mods_made_inside_compute_what_eager_does(module, shapes, dynamic):
+    """Values, input gradients and parameter gradients (through the captured tensors) equal eager's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        results = _eager_and_compiled(module(), *shapes, dynamic=dynamic)
+    for (out_e, grads_e, params_e), (out_c, grads_c, params_c) in results:
+        assert not out_c.isnan().any()
+        torch.testing.assert_close(out_c, out_e, atol=1e-12, rtol=1e-12)
+        # (the ops sum a buffer's gradient in fp32, and ViewBuffer's buffer is made from q)
+        for a, b in zip(grads_c + params_c, grads_e + params_e):
+            torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5)
+            assert a.abs().sum() > 0
 
 
 BIAS = torch.rand(H, requires_grad=True)

@@ -26,17 +26,26 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 class Attention(nn.Module):
-    """ALiBi with learnable slopes (a flexgen Mod or a function kept on the module), causal mask."""
+    """ALiBi with learnable slopes (a flexgen Mod, a function kept on the module, or one made in forward over a
+    tensor of the trace), causal mask."""
 
     def __init__(self, how: str):
         super().__init__()
         self.slopes = nn.Parameter(flexgen.variants.alibi_slopes(H).to(DEV))
+        self.how = how
         if how == "mod":
             self.score_mod = flexgen.variants.alibi(self.slopes)
         else:
             self.score_mod = lambda s, b, h, qi, ki: s + self.slopes[h] * (ki - qi)
 
     def forward(self, q, k, v, block_mask):
+        if self.how == "in_forward":
+            slopes = self.slopes * 1.0  # (a tensor of the graph: dynamo holds no Python function for the closure)
+
+            def alibi(s, b, h, qi, ki):
+                return s + slopes[h] * (ki - qi)
+
+            return flexgen.flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
         return flexgen.flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask)
 
 
@@ -56,7 +65,7 @@ def _run(fn, module, q, k, v, do, bm):
 
 
 @gpu
-@pytest.mark.parametrize("how", ["mod", "init_lambda"])
+@pytest.mark.parametrize("how", ["mod", "init_lambda", "in_forward"])
 def test_compiled_equals_eager_and_reference(how, isolated_kernel_cache):
     torch._dynamo.reset()
     module = Attention(how)
@@ -170,6 +179,37 @@ def test_a_captured_integer_changing_between_calls_runs_one_graph(isolated_kerne
         base_out, _ = lowp_attention(*(t.detach() for t in (q, k, v)), score, None, scale)
         err, bar = ((x.double() - ref_out).norm().item() for x in (out.detach(), base_out))
         assert err <= 2 * bar + 1e-5, (n, err, bar)
+    assert backend.frame_count == 1
+
+
+def _batch_bias(n):
+    return lambda s, b, h, qi, ki: s + (b + 1) * n * 0.25
+
+
+@gpu
+def test_a_size_captured_inside_the_compiled_forward_runs_one_graph(isolated_kernel_cache):
+    """PyTorch's test_symbol_closure_in_score_mod: a score_mod made in the compiled forward over the batch size,
+    under dynamic=True, runs one graph for every batch size (the size a 0-dim buffer the kernel reads), each
+    matching float64."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attend(q, k, v):
+        batch = q.shape[0]
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + (b + 1) * batch * 0.25)
+
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(attend, backend=backend, dynamic=True, fullgraph=True)
+    for batch in (2, 3, 5):
+        fresh_seed()
+        q, k, v = (torch.randn(batch, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+        out = torch.empty_like(q).fill_(float("nan"))
+        out.copy_(compiled(q, k, v))
+        score = flexgen.score_mod(_batch_bias(batch))
+        ref = flexgen.reference_attention(q.double(), k.double(), v.double(), score_mod=score)
+        base, _ = lowp_attention(q, k, v, score, None, D ** -0.5)
+        err, bar = ((x.double() - ref).norm().item() for x in (out, base))
+        assert not torch.isnan(out).any() and err <= 2 * bar + 1e-5, (batch, err, bar)
     assert backend.frame_count == 1
 
 

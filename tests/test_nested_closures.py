@@ -145,7 +145,9 @@ def test_compiled_passes_each_steps_tensor(monkeypatch):
     # transformers' adapter avoids that by handing flex_attention a Mod)
 
 
-def test_nested_closure_made_inside_the_compiled_function_breaks_the_graph_with_the_reason():
+def test_nested_closure_made_inside_the_compiled_function_traces_whole():
+    """transformers' closures built inside the compiled forward (and_masks over a padding mask over the input's
+    tensor): flexgen traces stand-ins of the functions dynamo holds, and the op reads the input's tensor itself."""
     pad = _pad_tensor()
 
     class Inside(nn.Module):
@@ -154,11 +156,13 @@ def test_nested_closure_made_inside_the_compiled_function_breaks_the_graph_with_
             return flexgen.flex_attention(q, k, v, block_mask=mask)
 
     base = flexgen.create_block_mask(causal, B, None, L, L, device="cpu").to(META)
-    fn, _ = compiled(Inside(), Recorder(), fullgraph=True)
-    with pytest.raises(Exception, match="define it outside"):
-        fn(*qkv(), pad)
-    fn, _ = compiled(Inside(), Recorder(), fullgraph=False)
+    fn, rec = compiled(Inside(), Recorder(), fullgraph=True)
     q, k, v = qkv()
     out = fn(q, k, v, pad)
     out.sum().backward()
     assert out.shape == q.shape and q.grad is not None
+    (graph,) = rec.graphs
+    (node,) = [n for n in graph.graph.nodes if str(n.target) == "flexgen.attention_fwd.default"]
+    buffers = node.args[11]
+    assert len(buffers) == 1 and buffers[0].op == "placeholder"
+    assert buffers[0].meta["example_value"].shape == pad.shape
