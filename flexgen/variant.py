@@ -376,26 +376,76 @@ def _specialise_numbers(ctx) -> None:
         fn = getattr(_traced_variable(ctx, "func"), "fn", None)
         if not (plain and _traces_with_buffers(fn, ctx.get_local("kind").as_python_constant(), ints)):
             ints = ()
+    tensors = tuple(i for i, cell in enumerate(cells) if _plain_tensor(cell) is not None)
+    fn = getattr(_traced_variable(ctx, "func"), "fn", None)
+    shapes_read = bool(tensors) and _reads_captured_shapes(fn, ctx.get_local("kind").as_python_constant(), tensors)
     values = []
     for i, cell in enumerate(cells):
         sym = getattr(cell, "sym_num", None)
-        values.append(_tensor_ident(cell) if sym is None else _AT_RUN_TIME if i in ints else repr(guard_scalar(sym)))
+        values.append(_tensor_ident(cell, shapes_read) if sym is None else _AT_RUN_TIME if i in ints else
+                      repr(guard_scalar(sym)))
     _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
 
 
-def _tensor_ident(vt) -> tuple | None:
-    """(trace time) For a plain tensor in a closure cell, what the trace of the function may read of it: its dtype and
-    shape (a symbolic size is specialised, so dynamo guards on it), not its identity, so that a function made anew at
-    each step over that step's tensor runs one graph; None for anything else."""
+def _plain_tensor(vt):
+    """(trace time) The example value of a closure cell holding a plain tensor (not a Parameter), else None."""
     from torch._dynamo.variables import TensorVariable
-    from torch.fx.experimental.symbolic_shapes import guard_int
 
     if not isinstance(vt, TensorVariable) or vt.python_type() is not torch.Tensor:
         return None
-    fake = vt.as_proxy().node.meta.get("example_value")
+    return vt.as_proxy().node.meta.get("example_value")
+
+
+def _tensor_ident(vt, with_shape: bool) -> tuple | None:
+    """(trace time) For a plain tensor in a closure cell, what the function's trace reads of it: its dtype and number
+    of dimensions, and its shape where the trace reads a captured tensor's shape (a symbolic size is then specialised,
+    so dynamo guards on it); not its identity, so that a function made anew at each step over that step's tensor runs
+    one graph. None for anything else (guarded by identity)."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    fake = _plain_tensor(vt)
     if fake is None:
         return None
+    if not with_shape:
+        return ("tensor", str(fake.dtype), fake.dim())
     return ("tensor", str(fake.dtype), tuple(guard_int(n) if isinstance(n, torch.SymInt) else int(n) for n in fake.shape))
+
+
+class _ShapeWatch(torch.Tensor):
+    """A captured tensor while a function's trace is probed for reading a captured tensor's shape: the function's
+    Python code or the tracer asking for .shape, .size(), len() or .numel() (views made from it count too)."""
+
+    reads = 0
+
+    @property
+    def shape(self):
+        _ShapeWatch.reads += 1
+        return super().shape
+
+    def size(self, *args):
+        _ShapeWatch.reads += 1
+        return super().size(*args)
+
+    def __len__(self):
+        _ShapeWatch.reads += 1
+        return super().__len__()
+
+    def numel(self):
+        _ShapeWatch.reads += 1
+        return super().numel()
+
+
+def _reads_captured_shapes(fn, kind: str, cells: tuple[int, ...]) -> bool:
+    """Whether tracing fn reads the shape of a tensor in those closure cells (True where it cannot tell)."""
+    before = _ShapeWatch.reads
+    try:
+        closure = list(fn.__closure__)
+        for i in cells:
+            closure[i] = types.CellType(closure[i].cell_contents.as_subclass(_ShapeWatch))
+        _traced(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(closure)), kind)
+    except Exception:  # (not a plain function, or one the tracer refuses: it says so where the token is made)
+        return True
+    return _ShapeWatch.reads != before
 
 
 # Function code site -> a Python stand-in for a function made inside the compiled region (held "opaque"), written by
@@ -435,7 +485,7 @@ def _stand_in(tx, vt, ints_at_run_time: bool) -> tuple[Any, Any]:
         if fake is None or fake.layout != torch.strided:
             raise _NoStandIn
         shape = tuple(int(n) for n in fake.shape)  # (a symbolic size is specialised: the trace may unroll over it)
-        return torch.zeros(shape, dtype=fake.dtype), vt
+        return torch.zeros((), dtype=fake.dtype).expand(shape), vt  # (no memory: a large bias stays free)
     if isinstance(vt, SymNodeVariable):
         sym = vt.sym_num
         if isinstance(sym, torch.SymInt) and ints_at_run_time:

@@ -252,6 +252,44 @@ def test_a_score_mod_over_a_fresh_tensor_each_call_runs_one_graph():
     assert len(rec.graphs) == 2
 
 
+def _bias_rows(t):
+    return lambda s, b, h, qi, ki: s + t[h, ki]
+
+
+def _bias_scaled_by_rows(t):
+    return lambda s, b, h, qi, ki: s + t[h, ki] * t.shape[0]
+
+
+def _row_sums(t):
+    return lambda s, b, h, qi, ki: s + (t[ki] * 2).sum()
+
+
+@pytest.mark.parametrize("make,shapes,graphs", [
+    (_bias_rows, [(5, 48), (6, 48), (7, 48)], 1),  # (the trace reads no shape: one graph)
+    (_bias_scaled_by_rows, [(5, 48), (6, 48), (7, 48)], 3),  # (Python reads t.shape[0]: one graph per size)
+    (_row_sums, [(48, 3), (48, 5)], 2),  # (the tracer unrolls over a row: one graph per row length)
+])
+def test_captured_tensors_of_other_shapes_under_dynamic_shapes(make, shapes, graphs):
+    """A function made outside over a new tensor of another shape at each call, under dynamic=True: one graph where
+    the trace reads no captured tensor's shape, a graph per shape where it does (the function's own Python or the
+    tracer unrolling over a row), and every call's output equals eager's (float64, the unfused path through the
+    ops on the CPU)."""
+    import warnings
+
+    rec = Recorder()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, sm: flexgen.flex_attention(q, k, v, score_mod=sm), backend=rec,
+                       fullgraph=True, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        for shape in shapes:
+            q, k, v = (torch.randn(2, 4, 48, 16, dtype=torch.float64) for _ in range(3))
+            score_mod = make(torch.randn(shape, dtype=torch.float64))
+            out = fn(q, k, v, score_mod)
+            torch.testing.assert_close(out, flexgen.flex_attention(q, k, v, score_mod=score_mod), atol=1e-12, rtol=0)
+    assert len(rec.graphs) == graphs
+
+
 class SizeClosure(nn.Module):
     """PyTorch's test_symbol_closure_in_score_mod: a score_mod made in forward over a size of the input."""
 
