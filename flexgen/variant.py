@@ -464,10 +464,17 @@ def _stand_in(tx, vt, ints_at_run_time: bool) -> tuple[Any, Any]:
     """(trace time) A plain value standing in for what a closure cell holds, and what traced code reaches it by: the
     variable itself, or for a function (whose __closure__ traced code cannot read) the tuple of its cells' contents,
     so that a path's "closure" steps become indices (_follow_captured)."""
-    from torch._dynamo.variables import (ListVariable, NestedUserFunctionVariable, SymNodeVariable, TensorVariable,
-                                         TupleVariable)
+    from torch._dynamo.variables import (ConstantVariable, ConstDictVariable, FunctoolsPartialVariable, ListVariable,
+                                         NestedUserFunctionVariable, SymNodeVariable, TensorVariable, TupleVariable)
     from torch.fx.experimental.symbolic_shapes import guard_scalar
 
+    if isinstance(vt, FunctoolsPartialVariable):  # held as ("partial", function, args, keywords)
+        func, func_held = _stand_in(tx, vt.func, ints_at_run_time)
+        args = [_stand_in(tx, a, ints_at_run_time) for a in vt.args]
+        keywords = {k: _stand_in(tx, a, ints_at_run_time) for k, a in vt.keywords.items()}
+        held = TupleVariable([ConstantVariable.create("partial"), func_held, TupleVariable([h for _, h in args]),
+                              ConstDictVariable({ConstantVariable.create(k): h for k, (_, h) in keywords.items()})])
+        return functools.partial(func, *(a for a, _ in args), **{k: a for k, (a, _) in keywords.items()}), held
     if type(vt) in (ListVariable, TupleVariable):
         pairs = [_stand_in(tx, item, ints_at_run_time) for item in vt.items]
         values = [value for value, _ in pairs]
@@ -527,9 +534,10 @@ def _capture_closure(ctx) -> None:
 
 
 def _followable(path: tuple | None) -> bool:
-    """Whether _follow_captured takes the path: closure cells, items and attributes, or a global first."""
-    return path is not None and all(kind in ("closure", "item", "attr") or (kind == "global" and n == 0)
-                                    for n, (kind, _) in enumerate(path))
+    """Whether _follow_captured takes the path: closure cells, a partial's parts, items and attributes, or a global
+    first."""
+    return path is not None and all(kind in ("closure", "item", "attr", "partial_arg", "partial_kw") or
+                                    (kind == "global" and n == 0) for n, (kind, _) in enumerate(path))
 
 
 @assume_constant_result
@@ -552,14 +560,17 @@ def _captured_buffers(captured: tuple, paths: tuple, device) -> tuple:
     return tuple(_as_buffer(_follow_captured(captured, path), device) for path in paths)
 
 
-def _follow_captured(captured: tuple, path: tuple):
-    """Traced by dynamo: from the stand-in's closure as dynamo holds it, where a function is the tuple of its cells'
-    contents."""
+def _follow_captured(captured, path: tuple):
+    """Traced by dynamo: from the stand-in's function as dynamo holds it (_stand_in), where a function made inside
+    is the tuple of its cells' contents and a partial ("partial", function, args, keywords)."""
     module, *steps = path
     obj = captured
     for kind, arg in steps:
+        partial = isinstance(obj, tuple) and len(obj) == 4 and isinstance(obj[0], str) and obj[0] == "partial"
         if kind == "global":
             obj = getattr(_GLOBAL_MODULES[module], arg)
+        elif partial and kind in ("attr", "partial_arg", "partial_kw"):
+            obj = obj[1] if kind == "attr" else obj[2][arg] if kind == "partial_arg" else obj[3][arg]
         elif kind == "item" or (kind == "closure" and isinstance(obj, tuple)):
             obj = obj[arg]
         elif kind == "closure":  # (a function made outside, which dynamo reads as it is)
@@ -639,9 +650,14 @@ def _compiled_parts(fn, kind: str, device):
     from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
 
     func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
-    site = f"{func.__code__.co_filename}:{func.__code__.co_firstlineno}:{func.__code__.co_name}"
-    comptime(_classify)
-    held = _written_at_trace_time("held", site)
+    partial = isinstance(func, functools.partial)
+    code = func.func.__code__ if partial else func.__code__
+    site = f"{'partial:' if partial else ''}{code.co_filename}:{code.co_firstlineno}:{code.co_name}"
+    if partial:  # (its arguments may be tensors, which dynamo hands over only as the trace holds them)
+        held = "opaque"
+    else:
+        comptime(_classify)
+        held = _written_at_trace_time("held", site)
     if held == "opaque":
         captured = ()
         comptime(_capture_closure)  # (sets `captured` to the closure's values as the trace holds them)

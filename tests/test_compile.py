@@ -1,10 +1,13 @@
 """torch.compile and the flexgen::attention_fwd / attention_bwd ops, on the CPU.
 
-The kernels need CUDA, so these run on meta tensors: the ops' fake kernels give shapes, and
+The kernels need CUDA, so most of these run on meta tensors: the ops' fake kernels give shapes, and
 what is checked is the traced graph (no graph break, the flexgen ops in it, buffers as graph
-inputs, the gradient flags the backward gets). tests/test_gpu_compile.py runs the kernels.
+inputs, the gradient flags the backward gets). Those that compare values with eager run float64
+CPU tensors, for which the ops run flexgen's unfused path. tests/test_gpu_compile.py runs the kernels.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -288,6 +291,39 @@ def test_captured_tensors_of_other_shapes_under_dynamic_shapes(make, shapes, gra
             out = fn(q, k, v, score_mod)
             torch.testing.assert_close(out, flexgen.flex_attention(q, k, v, score_mod=score_mod), atol=1e-12, rtol=0)
     assert len(rec.graphs) == graphs
+
+
+def _biased(s, b, h, qi, ki, bias, scale):
+    return s + bias[h, ki] * scale
+
+
+class PartialInside(nn.Module):
+    """A functools.partial made in forward over a tensor made there."""
+
+    def forward(self, q, k, v, bias):
+        return flexgen.flex_attention(q, k, v, score_mod=functools.partial(_biased, bias=bias * 2, scale=0.5))
+
+
+def test_partial_score_mods_under_compile():
+    """functools.partial score_mods: made outside over a new tensor at each call (one graph; another scale
+    recompiles, as the scale is part of the kernel), and made inside the compiled function over a tensor made there
+    (fullgraph); every output equals eager's (float64, the unfused path through the ops on the CPU)."""
+    import warnings
+
+    rec = Recorder()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, sm: flexgen.flex_attention(q, k, v, score_mod=sm), backend=rec, fullgraph=True)
+    inside = torch.compile(PartialInside(), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        for n, scale in enumerate((2.0, 2.0, 2.0, 3.0)):
+            q, k, v = (torch.randn(2, 4, 48, 16, dtype=torch.float64) for _ in range(3))
+            bias = torch.randn(4, 48, dtype=torch.float64)
+            score_mod = functools.partial(_biased, bias=bias, scale=scale)
+            torch.testing.assert_close(fn(q, k, v, score_mod), flexgen.flex_attention(q, k, v, score_mod=score_mod),
+                                       atol=1e-12, rtol=0)
+            assert len(rec.graphs) == (1 if n < 3 else 2)
+            torch.testing.assert_close(inside(q, k, v, bias), PartialInside()(q, k, v, bias), atol=1e-12, rtol=0)
 
 
 class SizeClosure(nn.Module):
