@@ -380,7 +380,7 @@ _flex_attention_eager = None
 def _make_eager_fallback() -> None:
     global _flex_attention_eager
     _flex_attention_eager = torch.compiler.disable(flex_attention, reason=_EAGER_REASON)
-    from .variant import keep_path_search_out_of_traces
+    from .captures import keep_path_search_out_of_traces
 
     keep_path_search_out_of_traces()
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from .variant import _closure_key
+from .captures import closure_key
 
 MAX_PLANS = 64
 
@@ -35,11 +35,11 @@ def _layout(t: Tensor) -> tuple:
 
 def _callable_identity(fn) -> tuple:
     """What a score_mod / mask_mod is, for the key: the function and what its closure holds now (a rebound closure
-    variable is another variant, as variant._trace has it). A bound method is made anew at each attribute access:
+    variable is another variant, as captures._trace has it). A bound method is made anew at each attribute access:
     its function and owner instead."""
     if isinstance(fn, types.MethodType):
-        return id(fn.__func__), id(fn.__self__), _closure_key(fn.__func__)
-    return id(fn), _closure_key(fn)
+        return id(fn.__func__), id(fn.__self__), closure_key(fn.__func__)
+    return id(fn), closure_key(fn)
 
 
 def _mask_state(block_mask) -> tuple:
@@ -117,12 +117,12 @@ def _owner(fn):
 
 
 def buffer_paths(fn, tensors) -> tuple | None:
-    """For each buffer tensor a traced score_mod / mask_mod `fn` read, the steps from fn to it (variant._find:
+    """For each buffer tensor a traced score_mod / mask_mod `fn` read, the steps from fn to it (captures.find_path:
     closures, globals, attributes, a bound method's owner, ...), so that a plan can check that fn still reaches the
     same tensors; () for a Mod (its tensors are its own) or no buffers; None where one cannot be found (such a call
     is not planned)."""
     from .dsl.mod import Mod
-    from .variant import buffer_paths as paths_from
+    from .captures import buffer_paths as paths_from
 
     if fn is None or isinstance(fn, Mod) or not tensors:
         return ()
@@ -159,7 +159,7 @@ class EagerPlan:
         if not self.buffers:
             return True
         if self.reached:
-            from .variant import reaches_buffers
+            from .captures import reaches_buffers
 
             for kind, paths, tensors in self.reached:
                 if not reaches_buffers(score_mod if kind == "score" else block_mask.mask_mod, paths, tensors):

@@ -4,7 +4,7 @@ compiled function that builds its mask (or `torch.compile(create_block_mask)` it
 Building a mask is data-dependent work (flexgen evaluates the mask on the tiles its static analysis cannot
 decide), which dynamo cannot trace; its results' shapes, though, follow from the lengths and block sizes alone,
 which is all the op's fake kernel needs. The mask_mod reaches the op as its variant token and buffer tensors,
-as a score_mod reaches the attention ops (variant.py).
+as a score_mod reaches the attention ops (variant.py, compiled_mods.py).
 """
 from __future__ import annotations
 

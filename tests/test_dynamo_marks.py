@@ -50,11 +50,11 @@ def test_the_eager_fallback_exists_once_dynamo_has_traced_a_call():
 def test_the_buffer_path_search_is_kept_out_of_traces_once_dynamo_has_traced_a_call():
     """Eager code after a graph break has each function it calls compiled as a frame; the search must not be one."""
     import flexgen.attention as attention
-    import flexgen.variant as variant
+    import flexgen.captures as captures
 
     torch._dynamo.reset()
     attention._checked_options(None)
-    assert variant._untraced_buffer_paths is not variant.buffer_paths
-    assert variant._untraced_buffer_paths.__wrapped__ is variant.buffer_paths
+    assert captures._untraced_buffer_paths is not captures.buffer_paths
+    assert captures._untraced_buffer_paths.__wrapped__ is captures.buffer_paths
     table = torch.randn(4)
-    assert variant._untraced_buffer_paths(lambda s, b, h, q, kv: s + table[q], (table,)) == ((("closure", 0),),)
+    assert captures._untraced_buffer_paths(lambda s, b, h, q, kv: s + table[q], (table,)) == ((("closure", 0),),)

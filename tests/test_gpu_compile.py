@@ -215,9 +215,9 @@ def test_a_size_captured_inside_the_compiled_forward_runs_one_graph(isolated_ker
 
 @gpu
 def test_a_compiled_create_block_mask_over_a_buffer_read_by_batch(isolated_kernel_cache):
-    """flexgen's create_block_mask under torch.compile(dynamic=True) with a padding mask that reads a length per
-    batch row (PyTorch's dynamic-batch test): dynamo traces its host code between graph breaks, where the GPU's
-    copies cannot go through pinned memory. The mask and the attention over it match eager's and float64."""
+    """flexgen's create_block_mask under torch.compile(dynamic=True) with a functools.partial padding mask that
+    reads a length per batch row (PyTorch's dynamic-batch test): the mask and the attention over it match eager's
+    and float64."""
     import functools
 
     def padded(b, h, q_idx, kv_idx, lengths):

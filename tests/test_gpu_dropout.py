@@ -20,7 +20,7 @@ import torch
 
 import flexgen
 from flexgen.runtime.forward import forward_call
-from flexgen.variant import _traced
+from flexgen.captures import traced
 from flexgen.dropout import dropout_keep_mask
 from lowp_math import masked_scores
 
@@ -55,7 +55,7 @@ def _block_mask(mask, lq, lkv):
     if mask is None:
         return None, None
     bm = flexgen.create_block_mask(mask, None, None, lq, lkv, device=DEV)
-    return bm, (_traced(bm.mask_mod, "mask") if bm is not None and bm.mask_mod is not None else None)
+    return bm, (traced(bm.mask_mod, "mask") if bm is not None and bm.mask_mod is not None else None)
 
 
 def attention_math(q, k, v, score, mask, scale, keep=None, p=0.0):

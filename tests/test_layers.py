@@ -21,7 +21,7 @@ LAYERS = {
     "flexgen.cache.maintenance": 3,
     "flexgen.runtime": 4,
     # the public API: flex_attention and its custom ops, emit / compile, `flexgen build`, the command line
-    "flexgen.attention": 5, "flexgen.eager_plans": 5, "flexgen.ops": 5, "flexgen.variant": 5, "flexgen.make_block_mask": 5, "flexgen.blockmask_follow": 5, "flexgen.codegen.api": 5, "flexgen.torch_names": 5,
+    "flexgen.attention": 5, "flexgen.eager_plans": 5, "flexgen.ops": 5, "flexgen.variant": 5, "flexgen.captures": 5, "flexgen.compiled_mods": 5, "flexgen.make_block_mask": 5, "flexgen.blockmask_follow": 5, "flexgen.codegen.api": 5, "flexgen.torch_names": 5,
     "flexgen.cache.build": 5, "flexgen.cli": 5, "flexgen.__main__": 5,
     # adapters for other libraries, on top of the public API
     "flexgen.integrations": 6,

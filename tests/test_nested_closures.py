@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 
 import flexgen
-from flexgen.variant import _find, _follow, mod_parts
-from test_compile import META, Recorder, compiled, qkv, targets, B, L
+from flexgen.captures import find_path, follow
+from flexgen.variant import mod_parts
+from test_compile import META, Recorder, compiled, qkv, B, L
 
 
 def and_masks(*fns):
@@ -77,9 +78,9 @@ def _bind_default(pad):
 def test_find_follows_nested_captures_to_the_tensor(how):
     pad = _pad_tensor()
     fn = shapes(pad)[how]
-    path = _find(fn, pad, 0, set())
-    assert path is not None and _follow(fn, path) is pad
-    assert _find(fn, torch.ones(1), 0, set()) is None  # a tensor it does not hold is not found
+    path = find_path(fn, pad, 0, set())
+    assert path is not None and follow(fn, path) is pad
+    assert find_path(fn, torch.ones(1), 0, set()) is None  # a tensor it does not hold is not found
 
 
 @pytest.mark.parametrize("how", list(shapes(torch.ones(1, 1))))

@@ -277,7 +277,7 @@ def test_a_negative_buffer_index_counts_from_the_end_as_torch_indexing_does():
 
 def test_a_mask_capturing_numbers_compiles_whole_and_is_guarded_on_their_values():
     """PyTorch's sliding-window test captures an int; some dynamo versions take no id() of a constant."""
-    from flexgen.variant import _guard_ident
+    from flexgen.compiled_mods import _guard_ident
 
     assert _guard_ident(64) == ("value", 64) and _guard_ident(None) == ("value", None)
     table = torch.zeros(3)
@@ -334,7 +334,7 @@ def test_a_view_of_a_captured_tensor_is_found_eager_and_under_compile():
 
 
 def test_leading_index_finds_integer_views_only():
-    from flexgen.variant import _leading_index
+    from flexgen.captures import _leading_index
 
     base = torch.randn(4, 3, 5)
     assert _leading_index(base, base[2]) == (2,) and _leading_index(base, base[3, 1]) == (3, 1)
