@@ -10,7 +10,8 @@ buffers graph inputs, so that gradients reach a learnable buffer. So:
   Python value dynamo can hand over, so another hook (`_capture_closure`) builds a stand-in over plain values of the
   same dtypes and shapes for the tracer, and hands the traced code the closure's contents as dynamo holds them, from
   which the buffers are taken (a functools.partial goes the same way); where a cell holds what it cannot stand in for
-  (a module, a dict), flex_attention graph-breaks into eager (an error under fullgraph=True, with the reason);
+  (a module, an object of a user class), flex_attention graph-breaks into eager (an error under fullgraph=True, with
+  the reason);
 - a number in a closure that dynamo made symbolic (dynamic=True) is specialised by another hook
   (`_specialise_numbers`), or read by the kernel at run time where the function allows it;
 - a captured tensor is guarded on its dtype and number of dimensions, and on its shape where the trace reads it
@@ -106,16 +107,16 @@ def _specialise_numbers(ctx) -> None:
     from torch.fx.experimental.symbolic_shapes import guard_scalar
 
     cells = _traced_variable(ctx, "cells").items
+    fn = getattr(_traced_variable(ctx, "func"), "fn", None)
+    kind = ctx.get_local("kind").as_python_constant()
     ints = tuple(i for i, cell in enumerate(cells) if isinstance(getattr(cell, "sym_num", None), torch.SymInt))
     if ints:
         owner = ctx.get_local("owner")
         plain = owner.is_python_constant() and owner.as_python_constant() is None  # (not a bound method)
-        fn = getattr(_traced_variable(ctx, "func"), "fn", None)
-        if not (plain and _traces_with_buffers(fn, ctx.get_local("kind").as_python_constant(), ints)):
+        if not (plain and _traces_with_buffers(fn, kind, ints)):
             ints = ()
     tensors = tuple(i for i, cell in enumerate(cells) if _plain_tensor(cell) is not None)
-    fn = getattr(_traced_variable(ctx, "func"), "fn", None)
-    shapes_read = bool(tensors) and _reads_captured_shapes(fn, ctx.get_local("kind").as_python_constant(), tensors)
+    shapes_read = bool(tensors) and _reads_captured_shapes(fn, kind, tensors)
     values = []
     for i, cell in enumerate(cells):
         sym = getattr(cell, "sym_num", None)
@@ -186,10 +187,10 @@ def _reads_captured_shapes(fn, kind: str, cells: tuple[int, ...]) -> bool:
 
 
 # Function code site -> a Python stand-in for a function made inside the compiled region (held "opaque"), written by
-# _capture_closure at trace time: the function's code over cells holding plain values in place of the trace's (a
-# zero tensor of a captured tensor's dtype and shape, a 0-dim int32 tensor for a symbolic integer read at run time,
+# _capture_closure at trace time: the function's code over cells holding plain values in place of the trace's (an
+# unwritten tensor of a captured tensor's dtype and shape, a 0-dim int32 tensor for a symbolic integer read at run time,
 # a stand-in of a helper function made there too), which flexgen's tracer takes; None where a cell holds something
-# else (a module, a dict), and flex_attention then breaks the graph.
+# else (a module, an object of a user class), and flex_attention then breaks the graph.
 _STAND_INS: dict[str, Any] = {}
 
 
@@ -212,6 +213,15 @@ def _stand_in(tx, vt, ints_at_run_time: bool) -> tuple[Any, Any]:
         held = TupleVariable([ConstantVariable.create("partial"), func_held, TupleVariable([h for _, h in args]),
                               ConstDictVariable({ConstantVariable.create(k): h for k, (_, h) in keywords.items()})])
         return functools.partial(func, *(a for a, _ in args), **{k: a for k, (a, _) in keywords.items()}), held
+    if type(vt) is ConstDictVariable:  # (keys as _children has them: str or int)
+        pairs = {}
+        for key, value in vt.items.items():
+            name = getattr(key, "vt", key).as_python_constant()
+            if not isinstance(name, (str, int)):
+                raise _NoStandIn
+            pairs[name] = _stand_in(tx, value, ints_at_run_time)
+        held = ConstDictVariable({ConstantVariable.create(k): h for k, (_, h) in pairs.items()})
+        return {k: value for k, (value, _) in pairs.items()}, held
     if type(vt) in (ListVariable, TupleVariable):
         pairs = [_stand_in(tx, item, ints_at_run_time) for item in vt.items]
         values = [value for value, _ in pairs]
@@ -405,8 +415,8 @@ def compiled_parts(fn, kind: str, device):
         return _stand_in_token(kind, site), _captured_buffers(captured, _stand_in_buffer_paths(kind, site), device)
     ident = ()
     if held == "outside":
-        # id() makes dynamo guard on each captured object, which is what the trace depends on (not on the function
-        # object); a captured number or string is guarded on by value (dynamo takes no id() of a constant).
+        # What the trace depends on, for dynamo to guard on (not the function object): a captured tensor's dtype and
+        # dimensions (and shape, where read: _tensor_ident), a number or string by value, anything else by id().
         cells = tuple(cell.cell_contents for cell in func.__closure__ or ())
         comptime(_specialise_numbers)
         plain = _written_at_trace_time("specialised", site)

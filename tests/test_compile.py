@@ -215,24 +215,29 @@ def test_score_mod_calling_a_function_made_inside_is_one_graph():
     assert len(rec.graphs) == 1 and "flexgen.attention_bwd.default" in targets(rec.bw[0])
 
 
-class DictClosure(nn.Module):
-    """A score_mod made in forward over a dict of tensors made there: no stand-in (dicts are not handed over), so
-    flex_attention breaks the graph, with its reason under fullgraph=True."""
+class Holder:
+    def __init__(self, slopes):
+        self.slopes = slopes
+
+
+class ObjectClosure(nn.Module):
+    """A score_mod made in forward over an object made there (a plain class's instance holding a tensor of the
+    trace): no stand-in, so flex_attention breaks the graph, with its reason under fullgraph=True."""
 
     def __init__(self):
         super().__init__()
         self.slopes = nn.Parameter(torch.rand(H))
 
     def forward(self, q, k, v):
-        table = {"slopes": self.slopes * 2}
-        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table["slopes"][h] * (ki - qi))
+        held = Holder(self.slopes * 2)
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + held.slopes[h] * (ki - qi))
 
 
-def test_score_mod_over_a_dict_made_inside_breaks_the_graph_clearly():
-    fn, _ = compiled(DictClosure())
+def test_score_mod_over_an_object_made_inside_breaks_the_graph_clearly():
+    fn, _ = compiled(ObjectClosure())
     with pytest.raises(Exception, match="define it outside"):
         fn(*qkv())
-    module = DictClosure()  # without fullgraph: a graph break, correct gradients
+    module = ObjectClosure()  # without fullgraph: a graph break, correct gradients
     fn, rec = compiled(module, fullgraph=False)
     fn(*qkv()).sum().backward()
     assert module.slopes.grad is not None
@@ -424,8 +429,39 @@ class RowOfInside(nn.Module):
         return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + rel[3][h, ki])
 
 
+class DictInside(nn.Module):
+    """A score_mod made in forward over a dict of tensors made there."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(4, dtype=torch.float64))
+
+    def forward(self, q, k, v):
+        table = {"slopes": self.slopes * 2, 0: self.slopes.flip(0)}
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table["slopes"][h] * (ki - qi)
+                                      / 40 + table[0][h])
+
+
+class LayersInside(nn.Module):
+    """One score_mod site in a loop over layers, each over its own tensor and constant made in forward: every call
+    gets its own stand-in and token."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.ParameterList([nn.Parameter(torch.rand(4, dtype=torch.float64)) for _ in range(3)])
+
+    def forward(self, q, k, v):
+        out = q
+        for i, slopes in enumerate(self.slopes):
+            scaled, n = slopes * (i + 1), i + 2
+            out = flexgen.flex_attention(out, k, v, score_mod=lambda s, b, h, qi, ki: s + scaled[h] * (ki - qi) / n)
+        return out
+
+
 @pytest.mark.parametrize("module,shapes,dynamic", [
     (ViewBuffer, [(2, 4, 32, 16)], False),
+    (LayersInside, [(2, 4, 40, 16)], False),
+    (DictInside, [(2, 4, 40, 16)], False),
     (RowOfInside, [(2, 4, 40, 16)], False),
     (ListAndSize, [(2, 4, 40, 16), (2, 4, 56, 16)], False),
     (ListAndSize, [(2, 4, 40, 16), (2, 4, 56, 16)], True),
