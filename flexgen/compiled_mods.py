@@ -151,7 +151,8 @@ def _tensor_ident(vt, with_shape: bool) -> tuple | None:
 
 class _ShapeWatch(torch.Tensor):
     """A captured tensor while a function's trace is probed for reading a captured tensor's shape: the function's
-    Python code or the tracer asking for .shape, .size(), len() or .numel() (views made from it count too)."""
+    Python code or the tracer asking for .shape, .size(), len(), .numel() or iterating over it (views made from it
+    count too)."""
 
     reads = 0
 
@@ -171,6 +172,14 @@ class _ShapeWatch(torch.Tensor):
     def numel(self):
         _ShapeWatch.reads += 1
         return super().numel()
+
+    def nelement(self):
+        _ShapeWatch.reads += 1
+        return super().nelement()
+
+    def __iter__(self):
+        _ShapeWatch.reads += 1
+        return super().__iter__()
 
 
 def _reads_captured_shapes(fn, kind: str, cells: tuple[int, ...]) -> bool:
