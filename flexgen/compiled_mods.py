@@ -387,9 +387,12 @@ def _as_buffer(x, device):
 
 
 def _guard_ident(x) -> tuple:
-    """Traced by dynamo: what a captured object is guarded on."""
+    """Traced by dynamo: what a captured object is guarded on. (A tuple by its items: and_masks' tuple of functions;
+    torch 2.11's dynamo takes no id() of a tuple.)"""
     if x is None or isinstance(x, (bool, int, float, str)):
         return ("value", x)
+    if isinstance(x, tuple):
+        return ("items", tuple(_guard_ident(item) for item in x))
     return ("id", id(x))
 
 
