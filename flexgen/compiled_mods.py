@@ -387,12 +387,15 @@ def _as_buffer(x, device):
 
 
 def _guard_ident(x) -> tuple:
-    """Traced by dynamo: what a captured object is guarded on. (A tuple by its items: and_masks' tuple of functions;
-    torch 2.11's dynamo takes no id() of a tuple.)"""
+    """Traced by dynamo: what a captured object is guarded on. (A tuple or list by its items, such as and_masks' tuple
+    of functions, and a function by itself, which dynamo guards where it reads it from the closure: torch 2.11's
+    dynamo takes no id() of them, nor of torch's own functions such as F.relu.)"""
     if x is None or isinstance(x, (bool, int, float, str)):
         return ("value", x)
-    if isinstance(x, tuple):
+    if isinstance(x, (tuple, list)):
         return ("items", tuple(_guard_ident(item) for item in x))
+    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType)):
+        return ("function", x)
     return ("id", id(x))
 
 

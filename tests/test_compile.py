@@ -331,6 +331,45 @@ def test_partial_score_mods_under_compile():
             torch.testing.assert_close(inside(q, k, v, bias), PartialInside()(q, k, v, bias), atol=1e-12, rtol=0)
 
 
+def _outer(inner):
+    return lambda s, b, h, qi, ki: s + inner(h, ki)
+
+
+def _slope(h, ki):
+    return ki * 0.1
+
+
+def _offset(h, ki):
+    return -ki * 0.3 + h
+
+
+def _activation(f):
+    return lambda s, b, h, qi, ki: f(s)
+
+
+@pytest.mark.parametrize("inners,graphs", [
+    ((_slope, _offset, _slope, _offset), 2),  # (a Python function in the closure: one graph per function)
+    ((torch.nn.functional.relu, torch.nn.functional.gelu, torch.nn.functional.silu, torch.nn.functional.relu), 3),
+])
+def test_a_function_in_the_closure_is_guarded(inners, graphs):
+    """A mod made outside over another function (a helper, or torch's own such as F.gelu): another function there
+    recompiles, the same one reuses its graph, and every output equals eager's (float64, the unfused path)."""
+    import warnings
+
+    rec = Recorder()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, sm: flexgen.flex_attention(q, k, v, score_mod=sm), backend=rec, fullgraph=True)
+    make = _outer if inners[0] is _slope else _activation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        for inner in inners:
+            q, k, v = (torch.randn(2, 4, 40, 8, dtype=torch.float64) for _ in range(3))
+            score_mod = make(inner)
+            torch.testing.assert_close(fn(q, k, v, score_mod), flexgen.flex_attention(q, k, v, score_mod=score_mod),
+                                       atol=1e-12, rtol=0)
+    assert len(rec.graphs) == graphs
+
+
 class SizeClosure(nn.Module):
     """PyTorch's test_symbol_closure_in_score_mod: a score_mod made in forward over a size of the input."""
 
