@@ -25,19 +25,65 @@ _trace_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary
 
 def closure_key(fn) -> tuple:
     """What a traced function's Mod depends on besides its code: the objects its closure cells and the module
-    globals it names hold now (a global tensor rebound, `bias = torch.randn(...)`, is another variant), by id."""
+    globals it names hold now (a global tensor rebound, `bias = torch.randn(...)`, is another variant), by id, and
+    the plain values it reaches inside objects it captures (plain_values)."""
     cells = getattr(fn, "__closure__", None) or ()
-    out = []
+    out, held = [], []
     for c in cells:
         try:
-            out.append(id(c.cell_contents))
+            held.append(c.cell_contents)
         except ValueError:  # empty cell
             out.append(None)
     code = getattr(fn, "__code__", None)
     if code is not None:
         g = fn.__globals__
-        out.extend(id(g.get(name)) for name in _global_names(code))
+        held.extend(g.get(name) for name in _global_names(code))
+        held.extend(fn.__defaults__ or ())
+    out.extend(id(x) for x in held)
+    # (most mods capture only tensors, numbers and functions of torch: no object to look inside, no search)
+    return (*out, plain_values(fn) if any(_holds_values(x) for x in held) else ())
+
+
+# Types whose values a trace bakes into the kernel (a float attribute read by the mod becomes a constant of the IR).
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+# Past this many plain values in what a function captures, plain_values gives up (a key that never matches).
+_MAX_PLAIN_VALUES = 512
+
+
+def plain_values(fn) -> tuple:
+    """(path, value) of each plain value (number, string, None) that fn reaches inside an object or container it
+    captures: a bound method's owner's attributes, a captured object's or module's, a dict's or list's items, a
+    partial's arguments (along follow's steps, within _PATH_DEPTH). A trace bakes such a value into the kernel, and
+    the object can change it in place (an annealed temperature), so it belongs in every key a trace is reused by.
+    (Values held directly by a closure cell or a global are in closure_key by identity.) A key that matches nothing
+    past _MAX_PLAIN_VALUES."""
+    out: list[tuple[tuple, Any]] = []
+    level, seen = [(fn, ())], {id(fn)}
+    for _ in range(_PATH_DEPTH):
+        deeper = []
+        for obj, path in level:
+            for step, child in _children(obj):
+                if type(child) in _PLAIN:
+                    if path or not hasattr(obj, "__code__"):
+                        out.append((path + (step,), child))
+                elif id(child) not in seen and _holds_values(child):
+                    seen.add(id(child))
+                    deeper.append((child, path + (step,)))
+        if len(out) > _MAX_PLAIN_VALUES:
+            return (object(),)
+        level = deeper
+        if not level:
+            break
     return tuple(out)
+
+
+def _holds_values(obj) -> bool:
+    """Whether plain_values looks inside obj: functions, bound methods, partials, Modules, containers and objects of
+    user classes (not tensors, classes or Python modules)."""
+    if isinstance(obj, (torch.Tensor, type, types.ModuleType)) or type(obj) in _PLAIN:
+        return False
+    return (isinstance(obj, (types.FunctionType, types.MethodType, functools.partial, torch.nn.Module, tuple, list,
+                             dict)) or _is_plain_object(obj))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -178,13 +224,11 @@ def _children(obj) -> list[tuple[tuple, Any]]:
                 out.append((("closure", i), cell.cell_contents))
             except ValueError:  # empty cell
                 pass
-        from .dsl.trace import _code_names
-
         g = obj.__globals__
         module = sys.modules.get(getattr(obj, "__module__", None) or "")
         if getattr(module, "__dict__", None) is g:
             GLOBAL_MODULES[obj.__module__] = module
-            out.extend((("global", n), g[n]) for n in _code_names(code) if n in g)
+            out.extend((("global", n), g[n]) for n in _global_names(code) if n in g)
         out.extend((("default", i), x) for i, x in enumerate(obj.__defaults__ or ()))
         out.extend((("kwdefault", k), x) for k, x in (obj.__kwdefaults__ or {}).items())
     return out

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .captures import GLOBAL_MODULES, buffer_paths, follow, path_to, traced
+from .captures import GLOBAL_MODULES, buffer_paths, follow, path_to, plain_values, traced
 from .dynamo_marks import assume_constant_result
 
 
@@ -45,6 +45,11 @@ def _function_token(kind: str, func, owner, ident: tuple) -> str:
     run time)."""
     mod = traced(_bound(_for_ident(func, ident), owner), kind)
     return "" if mod is None else mod.token
+
+
+@assume_constant_result
+def _plain_value_paths(func, owner) -> tuple:
+    return tuple(path for path, _ in plain_values(_bound(func, owner)))
 
 
 @assume_constant_result
@@ -123,6 +128,22 @@ def _specialise_numbers(ctx) -> None:
         values.append(_tensor_ident(cell, shapes_read) if sym is None else _AT_RUN_TIME if i in ints else
                       repr(guard_scalar(sym)))
     _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
+
+
+# Function code site -> the plain values its function reaches inside captured objects, written by _specialise_values.
+_VALUES: dict[str, tuple] = {}
+
+
+def _specialise_values(ctx) -> None:
+    """(comptime) The values traced code read along captures.plain_values' paths, as Python values: a number that
+    dynamo made symbolic is specialised (guard_scalar), so that dynamo guards on every one of them."""
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    values = []
+    for vt in _traced_variable(ctx, "values").items:
+        sym = getattr(vt, "sym_num", None)
+        values.append(repr(guard_scalar(sym)) if sym is not None else repr(vt.as_python_constant()))
+    _VALUES[ctx.get_local("site").as_python_constant()] = tuple(values)
 
 
 def _plain_tensor(vt):
@@ -387,16 +408,24 @@ def _as_buffer(x, device):
 
 
 def _guard_ident(x) -> tuple:
-    """Traced by dynamo: what a captured object is guarded on. (A tuple or list by its items, such as and_masks' tuple
-    of functions, and a function by itself, which dynamo guards where it reads it from the closure: torch 2.11's
+    """Traced by dynamo: what a captured object is guarded on. (A tuple, list or dict by its items, such as and_masks'
+    tuple of functions, and a function by itself, which dynamo guards where it reads it from the closure: torch 2.11's
     dynamo takes no id() of them, nor of torch's own functions such as F.relu.)"""
     if x is None or isinstance(x, (bool, int, float, str)):
         return ("value", x)
     if isinstance(x, (tuple, list)):
-        return ("items", tuple(_guard_ident(item) for item in x))
+        return ("items", tuple(_item_ident(item) for item in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _item_ident(item)) for k, item in x.items()))
     if isinstance(x, (types.FunctionType, types.BuiltinFunctionType)):
         return ("function", x)
     return ("id", id(x))
+
+
+def _item_ident(x) -> tuple:
+    """Traced by dynamo: _guard_ident of a container's item; a number or string in a container is guarded through
+    captures.plain_values instead (read as dynamo may hold it, symbolic, it could not be a constant here)."""
+    return ("plain",) if isinstance(x, (bool, int, float, str)) else _guard_ident(x)
 
 
 @assume_constant_result
@@ -406,7 +435,7 @@ def _written_at_trace_time(table: str, site: str):
     the trace (before this site's entry, where one trace holds two functions)."""
     if table == "stand_in":
         return _STAND_INS.get(site) is not None
-    return (_HELD if table == "held" else _SPECIALISED)[site]
+    return {"held": _HELD, "specialised": _SPECIALISED, "values": _VALUES}[table][site]
 
 
 def compiled_parts(fn, kind: str, device):
@@ -437,5 +466,11 @@ def compiled_parts(fn, kind: str, device):
         plain = _written_at_trace_time("specialised", site)
         ident = tuple(_guard_ident(x) if value is None else (value,) if value == _AT_RUN_TIME else
                       value if isinstance(value, tuple) else ("value", value) for x, value in zip(cells, plain))
+        # The plain values it reaches inside objects (a bound method's owner's float): read here and made constants
+        # of the trace, so that dynamo guards on each (another value traces again, as eager keys do:
+        # captures.plain_values).
+        values = tuple(follow(fn, path) for path in _plain_value_paths(func, owner))  # (read by the hook below)
+        comptime(_specialise_values)
+        ident += (("values", _written_at_trace_time("values", site)),)
     token = _function_token(kind, func, owner, ident)
     return token, tuple(_as_buffer(follow(fn, p), device) for p in _buffer_paths(kind, func, owner, ident))

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from .captures import closure_key
+from .captures import closure_key, plain_values
 
 MAX_PLANS = 64
 
@@ -37,8 +37,8 @@ def _callable_identity(fn) -> tuple:
     """What a score_mod / mask_mod is, for the key: the function and what its closure holds now (a rebound closure
     variable is another variant, as captures._trace has it). A bound method is made anew at each attribute access:
     its function and owner instead."""
-    if isinstance(fn, types.MethodType):
-        return id(fn.__func__), id(fn.__self__), closure_key(fn.__func__)
+    if isinstance(fn, types.MethodType):  # (plain_values: the owner's attributes the method may read)
+        return id(fn.__func__), id(fn.__self__), closure_key(fn.__func__), plain_values(fn)
     return id(fn), closure_key(fn)
 
 
