@@ -36,7 +36,14 @@ def _for_ident(func, ident: tuple):
 
 
 def _bound(func, owner):
+    """func, or the method of `owner` (for an owner dynamo could not hand over as a constant, its site in _OWNERS)."""
+    owner = _OWNERS[owner] if isinstance(owner, str) else owner
     return func if owner is None else types.MethodType(func, owner)
+
+
+# Function code site -> the owner of a bound method whose owner dynamo holds as a variable with no constant value
+# (an nn.Module under torch 2.11), written by _classify: the trace-time functions below take the site in its place.
+_OWNERS: dict[str, Any] = {}
 
 
 @assume_constant_result
@@ -89,6 +96,10 @@ def _traced_variable(ctx, name: str):
 
 def _classify(ctx) -> None:
     site = ctx.get_local("site").as_python_constant()
+    owner = _traced_variable(ctx, "owner")
+    _OWNERS.pop(site, None)
+    if not owner.is_python_constant() and getattr(owner, "value", None) is not None:
+        _OWNERS[site] = owner.value
     if getattr(_traced_variable(ctx, "func"), "source", None) is not None:  # (read from outside the trace)
         _HELD[site] = "outside"
         return
@@ -433,8 +444,8 @@ def _written_at_trace_time(table: str, site: str):
     """What a comptime hook wrote for the site (whether there is a stand-in, for "stand_in"), read when dynamo runs
     the traced code: a dict read there directly would come from dynamo's copy of the dict, made at its first read in
     the trace (before this site's entry, where one trace holds two functions)."""
-    if table == "stand_in":
-        return _STAND_INS.get(site) is not None
+    if table in ("stand_in", "owner"):
+        return (_STAND_INS if table == "stand_in" else _OWNERS).get(site) is not None
     return {"held": _HELD, "specialised": _SPECIALISED, "values": _VALUES}[table][site]
 
 
@@ -451,6 +462,8 @@ def compiled_parts(fn, kind: str, device):
     else:
         comptime(_classify)
         held = _written_at_trace_time("held", site)
+        if _written_at_trace_time("owner", site):
+            owner = site  # (_bound finds the owner by it)
     if held == "opaque":
         captured = ()
         comptime(_capture_closure)  # (sets `captured` to the closure's values as the trace holds them)
