@@ -486,4 +486,41 @@ def compiled_parts(fn, kind: str, device):
         comptime(_specialise_values)
         ident += (("values", _written_at_trace_time("values", site)),)
     token = _function_token(kind, func, owner, ident)
-    return token, tuple(_as_buffer(follow(fn, p), device) for p in _buffer_paths(kind, func, owner, ident))
+    paths = _buffer_paths(kind, func, owner, ident)
+    global_values = ()
+    comptime(_read_globals)  # (sets `global_values`: each path's global, with a source, for a global path)
+    return token, _buffers_along(fn, paths, global_values, device)
+
+
+def _buffers_along(fn, paths: tuple, global_values: tuple, device) -> tuple:
+    """Traced by dynamo: the buffers along their paths, a path that starts at a module global from that global as
+    _read_globals handed it over."""
+    return tuple(_as_buffer(follow(global_values[i], path[1:]) if global_values and path[0][0] == "global" else
+                            follow(fn, path), device) for i, path in enumerate(paths))
+
+
+def _read_globals(ctx) -> None:
+    """(comptime) For each buffer path that starts at a global of the function's module, that global as a variable
+    with a source (the module imported into the frame's globals, as dynamo does for an import), so that dynamo
+    guards on it and makes it a graph input: read through flexgen's table of modules, as `follow` does, torch 2.11's
+    dynamo gives a global of a function made inside the compiled region no source, and cannot trace a tensor."""
+    from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables import ConstantVariable, TupleVariable, VariableTracker
+
+    paths = ctx.get_local("paths").as_python_constant()
+    if not any(path and path[0][0] == "global" for path in paths):
+        return
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    func = _traced_variable(ctx, "func")
+    fn_globals = getattr(func, "f_globals", None) or getattr(getattr(func, "fn", None), "__globals__", None)
+    name = (fn_globals or {}).get("__name__")
+    if name not in GLOBAL_MODULES or GLOBAL_MODULES[name].__dict__ is not fn_globals:
+        return  # (follow reads them through the table, as it can)
+    values = []
+    for path in paths:
+        if path and path[0][0] == "global":
+            source = AttrSource(tx.import_source(name), path[0][1])
+            values.append(VariableTracker.build(tx, fn_globals[path[0][1]], source))
+        else:
+            values.append(ConstantVariable.create(None))
+    tx.symbolic_locals["global_values"] = TupleVariable(values)
