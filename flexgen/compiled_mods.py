@@ -193,35 +193,24 @@ class _ShapeWatch(torch.Tensor):
         _ShapeWatch.reads += 1
         return super().shape
 
-    def size(self, *args):
-        _ShapeWatch.reads += 1
-        return super().size(*args)
 
-    def __len__(self):
+def _counting_read(name: str):
+    def read(self, *args):
         _ShapeWatch.reads += 1
-        return super().__len__()
+        return getattr(torch.Tensor, name)(self, *args)
 
-    def numel(self):
-        _ShapeWatch.reads += 1
-        return super().numel()
+    return read
 
-    def nelement(self):
-        _ShapeWatch.reads += 1
-        return super().nelement()
 
-    def __iter__(self):
-        _ShapeWatch.reads += 1
-        return super().__iter__()
+for _name in ("size", "__len__", "numel", "nelement", "__iter__"):
+    setattr(_ShapeWatch, _name, _counting_read(_name))
 
 
 def _reads_captured_shapes(fn, kind: str, cells: tuple[int, ...]) -> bool:
     """Whether tracing fn reads the shape of a tensor in those closure cells (True where it cannot tell)."""
     before = _ShapeWatch.reads
     try:
-        closure = list(fn.__closure__)
-        for i in cells:
-            closure[i] = types.CellType(closure[i].cell_contents.as_subclass(_ShapeWatch))
-        traced(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(closure)), kind)
+        traced(_with_cells(fn, {i: fn.__closure__[i].cell_contents.as_subclass(_ShapeWatch) for i in cells}), kind)
     except Exception:  # (not a plain function, or one the tracer refuses: it says so where the token is made)
         return True
     return _ShapeWatch.reads != before
@@ -384,12 +373,15 @@ class _RunTimeInt(torch.Tensor):
     __bool__ = __index__ = __int__ = __float__ = item = tolist = _refuse
 
 
+def _with_cells(func, values: dict[int, Any]):
+    """func with those closure cells holding other values (func itself untouched)."""
+    closure = [types.CellType(values[i]) if i in values else cell for i, cell in enumerate(func.__closure__)]
+    return types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(closure))
+
+
 def _with_buffers_for(func, cells: tuple[int, ...]):
     """func with each of those closure cells holding a 0-dim int32 tensor (what the kernel reads at run time)."""
-    closure = list(func.__closure__)
-    for i in cells:
-        closure[i] = types.CellType(torch.zeros((), dtype=torch.int32).as_subclass(_RunTimeInt))
-    return types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(closure))
+    return _with_cells(func, {i: torch.zeros((), dtype=torch.int32).as_subclass(_RunTimeInt) for i in cells})
 
 
 def _traces_with_buffers(fn, kind: str, cells: tuple[int, ...]) -> bool:

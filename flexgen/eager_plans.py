@@ -38,7 +38,7 @@ def _callable_identity(fn) -> tuple:
     variable is another variant, as captures._trace has it). A bound method is made anew at each attribute access:
     its function and owner instead."""
     if isinstance(fn, types.MethodType):  # (plain_values: the owner's attributes the method may read)
-        return id(fn.__func__), id(fn.__self__), closure_key(fn.__func__), plain_values(fn)
+        return id(fn.__func__), id(fn.__self__), closure_key(fn.__func__), plain_values(fn.__self__)
     return id(fn), closure_key(fn)
 
 
