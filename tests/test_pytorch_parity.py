@@ -275,6 +275,62 @@ def test_a_negative_buffer_index_counts_from_the_end_as_torch_indexing_does():
         _quiet(flexgen.flex_attention, q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + table[kv_idx - 72])
 
 
+def test_a_read_out_of_range_that_a_where_discards_is_allowed():
+    """PyTorch's PagedAttention calls the user's score_mod at the positions of unmapped pages too and discards what
+    it returns with a where (its test_load_rel_bias then reads past the end of the bias); a read whose value reaches
+    the result still raises, however the where is nested."""
+    n = 64
+    table = torch.randn(n, dtype=torch.float64)
+    q, k, v = _qkv(1, 2, n, n)
+    qi, ki = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    inside = qi + ki < n
+
+    def discarded(s, b, h, q_idx, kv_idx):
+        return torch.where(q_idx + kv_idx < n, s + table[q_idx + kv_idx], -float("inf"))
+
+    out = _quiet(flexgen.flex_attention, q, k, v, score_mod=discarded)
+    bias = torch.where(inside, table[(qi + ki).clamp(max=n - 1)], 0.0)
+    assert not torch.isnan(out).any()
+    assert (out.double() - _dense(q, k, v, bias=bias, visible=inside)).abs().max().item() < 1e-5
+
+    def kept(s, b, h, q_idx, kv_idx):  # the out-of-range reads are the ones the where keeps
+        return torch.where(q_idx + kv_idx < n, -float("inf"), s + table[q_idx + kv_idx])
+
+    def nested(s, b, h, q_idx, kv_idx):  # kept by the outer where wherever the inner one passes them on
+        return torch.where(q_idx < 60, torch.where(kv_idx < 60, s, s + table[q_idx + kv_idx]), s)
+
+    for mod in (kept, nested, lambda s, b, h, q_idx, kv_idx: s + table[q_idx + kv_idx]):
+        with pytest.raises(IndexError, match=r"'table' read out of range in dimension 0: index range \[0, 126\]"):
+            _quiet(flexgen.flex_attention, q, k, v, score_mod=mod)
+
+
+def test_pytorch_paged_score_mod_reading_past_its_bias():
+    """PyTorch's test_load_rel_bias through its PagedAttention: the score_mod reads rel_bias[q - kv + n] at the
+    logical positions of unmapped pages (negative), past the end of rel_bias, and the wrapper discards them."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    b, h, n, d, page = 2, 2, 128, 16, 32
+    rel_bias = torch.randn(2 * n, dtype=torch.float64)
+
+    def bias_mod(score, b, h, q_idx, kv_idx):
+        return score + rel_bias[(q_idx - kv_idx) + n]
+
+    pages = PagedAttention(n_pages=4 * b * n // page, page_size=page, max_batch_size=b, device="cpu")
+    for i in range(b):
+        pages.reserve(torch.tensor(i), torch.tensor(n))
+    q, k, v = _qkv(b, h, n, n, d)
+    k_cache, v_cache = (torch.zeros(1, h, 4 * b * n, d) for _ in range(2))
+    pages.assign(torch.arange(b), torch.arange(n).expand(b, -1).contiguous(), k, v, k_cache, v_cache)
+    mask = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, b, h, n, n, device="cpu",
+                                     BLOCK_SIZE=page)
+    paged_mask = pages.convert_logical_block_mask(mask)
+    out = _quiet(flexgen.flex_attention, q, k_cache, v_cache, score_mod=pages.get_score_mod(bias_mod),
+                 block_mask=paged_mask)
+    bias = rel_bias[torch.arange(n)[:, None] - torch.arange(n)[None, :] + n]
+    assert not torch.isnan(out).any()
+    assert (out.double() - _dense(q, k, v, bias=bias)).abs().max().item() < 1e-5
+
+
 def test_a_mask_capturing_numbers_compiles_whole_and_is_guarded_on_their_values():
     """PyTorch's sliding-window test captures an int; some dynamo versions take no id() of a constant."""
     from flexgen.compiled_mods import _guard_ident

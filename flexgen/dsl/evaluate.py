@@ -98,7 +98,9 @@ def evaluate(
             device = v.device
             break
     values: dict[str, torch.Tensor] = {}
-    for n in postorder(root):
+    outside: dict[str, tuple[torch.Tensor, str]] = {}  # load -> (where its index was out of range, the error)
+    order = list(postorder(root))
+    for n in order:
         dt = torch_dtype(n.dtype, float_dtype)
         if n.op == "input":
             if n.attr not in inputs:
@@ -111,15 +113,39 @@ def evaluate(
                 raise KeyError(f"evaluate(): no value bound for scalar parameter {n.attr!r}")
             v = torch.tensor(params[n.attr], device=device).to(dt)
         elif n.op == "load":
-            v = _load(n, buffers, [values[a.digest] for a in n.args], device, check_ranges).to(dt)
+            v = _load(n, buffers, [values[a.digest] for a in n.args], device, check_ranges, outside).to(dt)
         else:
             args = [values[a.digest] for a in n.args]
             v = _apply(n, args, dt)
         values[n.digest] = v
+    if outside:
+        _check_used_reads(order, values, outside)
     return values[root.digest]
 
 
-def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor], device, check_ranges: bool) -> torch.Tensor:
+def _check_used_reads(order: list[Node], values: dict[str, torch.Tensor], outside: dict) -> None:
+    """Raise for a buffer read out of range whose value reaches the result. A read that a where discards is
+    allowed, as torch's own eager code allows it (PyTorch's PagedAttention calls the user's score_mod at the
+    negative positions of unmapped pages and discards what it returns); it was read at index 0 instead."""
+    used = {order[-1].digest: torch.ones((), dtype=torch.bool)}
+    for n in reversed(order):  # (users before their operands)
+        mask = used.get(n.digest)
+        if mask is None:
+            continue
+        if n.op == "where":
+            cond = values[n.args[0].digest]
+            parts = ((n.args[0], mask), (n.args[1], mask & cond), (n.args[2], mask & ~cond))
+        else:
+            parts = tuple((a, mask) for a in n.args)
+        for arg, m in parts:
+            used[arg.digest] = m if arg.digest not in used else used[arg.digest] | m
+    for digest, (bad, message) in outside.items():
+        if (bad & used.get(digest, torch.zeros((), dtype=torch.bool))).any():
+            raise IndexError(message)
+
+
+def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor], device, check_ranges: bool,
+          outside: dict) -> torch.Tensor:
     spec = n.attr
     if spec.name not in buffers:
         raise KeyError(f"evaluate(): no tensor bound for buffer {spec.name!r}")
@@ -130,15 +156,16 @@ def _load(n: Node, buffers: Mapping[str, torch.Tensor], idx: list[torch.Tensor],
     for dim, i in enumerate(idx if check_ranges else ()):
         size = buf.shape[dim]
         # Negative indices down to -size count from the end, as torch's indexing (and so PyTorch's eager
-        # FlexAttention) reads them: a paged score_mod reads at -page_size.. where a page is unmapped and
-        # discards the value with a where. Under torch.vmap (PyTorch's create_block_mask calling a Mod) values
+        # FlexAttention) reads them. Under torch.vmap (PyTorch's create_block_mask calling a Mod) values
         # cannot be read out; the index op below still refuses an out-of-range index there.
         if i.numel() and not torch._C._functorch.is_functorch_wrapped_tensor(i) and (int(i.min()) < -size or int(i.max()) >= size):
-            raise IndexError(
-                f"buffer {spec.name!r} read out of range in dimension {dim}: index range "
-                f"[{int(i.min())}, {int(i.max())}] but the size is {size} (indices from -{size} to {size - 1} "
-                f"are read as torch reads them)"
-            )
+            message = (f"buffer {spec.name!r} read out of range in dimension {dim}: index range "
+                       f"[{int(i.min())}, {int(i.max())}] but the size is {size} (indices from -{size} to {size - 1} "
+                       f"are read as torch reads them)")
+            bad = (i < -size) | (i >= size)
+            idx[dim] = torch.where(bad, 0, i)  # (raised by _check_used_reads if the value is used)
+            earlier = outside.get(n.digest)
+            outside[n.digest] = (bad if earlier is None else earlier[0] | bad, earlier[1] if earlier else message)
     if not idx:
         return buf.reshape(())
     idx = torch.broadcast_tensors(*idx)
