@@ -80,10 +80,19 @@ def plain_values(fn) -> tuple:
 def _holds_values(obj) -> bool:
     """Whether plain_values looks inside obj: functions, bound methods, partials, Modules, containers and objects of
     user classes (not tensors, classes or Python modules)."""
-    if isinstance(obj, (torch.Tensor, type, types.ModuleType)) or type(obj) in _PLAIN:
+    if isinstance(obj, (torch.Tensor, type, types.ModuleType)) or type(obj) in _PLAIN or _of_torch(obj):
         return False
     return (isinstance(obj, (types.FunctionType, types.MethodType, functools.partial, torch.nn.Module, tuple, list,
                              dict)) or _is_plain_object(obj))
+
+
+def _of_torch(obj) -> bool:
+    """A function or method of torch itself (a custom autograd Function's apply, torch.tanh's Python wrappers): the
+    values its module holds are torch's settings, not the mod's."""
+    if isinstance(obj, types.MethodType):
+        obj = obj.__func__
+    module = getattr(obj, "__module__", None) if isinstance(obj, types.FunctionType) else None
+    return module is not None and (module == "torch" or module.startswith("torch."))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -136,6 +136,9 @@ def _specialise_numbers(ctx) -> None:
     values = []
     for i, cell in enumerate(cells):
         sym = getattr(cell, "sym_num", None)
+        if sym is None and not _typed(cell):
+            values.append(("untyped",))  # (dynamo reads it from the closure and guards it there)
+            continue
         values.append(_tensor_ident(cell, shapes_read) if sym is None else _AT_RUN_TIME if i in ints else
                       repr(guard_scalar(sym)))
     _SPECIALISED[ctx.get_local("site").as_python_constant()] = tuple(values)
@@ -155,6 +158,16 @@ def _specialise_values(ctx) -> None:
         sym = getattr(vt, "sym_num", None)
         values.append(repr(guard_scalar(sym)) if sym is not None else repr(vt.as_python_constant()))
     _VALUES[ctx.get_local("site").as_python_constant()] = tuple(values)
+
+
+def _typed(vt) -> bool:
+    """Whether dynamo knows the Python type of what the variable holds (torch 2.11's cannot say it for a custom
+    autograd Function's `apply`, and then refuses isinstance() on it, which _guard_ident asks)."""
+    try:
+        vt.python_type()
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _plain_tensor(vt):
@@ -445,6 +458,8 @@ def compiled_parts(fn, kind: str, device):
     """Traced by dynamo."""
     from torch._dynamo.comptime import comptime  # traced only under torch.compile, where dynamo is loaded
 
+    if not isinstance(fn, (types.FunctionType, types.MethodType, functools.partial)) and _is_callable_object(fn):
+        fn = fn.__call__  # (an instance of a class with __call__: its bound method, owner and all)
     func, owner = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn, None)
     partial = isinstance(func, functools.partial)
     code = func.func.__code__ if partial else func.__code__
@@ -482,6 +497,11 @@ def compiled_parts(fn, kind: str, device):
     global_values = ()
     comptime(_read_globals)  # (sets `global_values`: each path's global, with a source, for a global path)
     return token, _buffers_along(fn, paths, global_values, device)
+
+
+def _is_callable_object(fn) -> bool:
+    """Traced by dynamo: an object whose class defines __call__ in Python (not a Module: its __call__ runs hooks)."""
+    return not isinstance(fn, torch.nn.Module) and isinstance(getattr(type(fn), "__call__", None), types.FunctionType)
 
 
 def _buffers_along(fn, paths: tuple, global_values: tuple, device) -> tuple:

@@ -497,8 +497,25 @@ class LayersInside(nn.Module):
         return out
 
 
+HEAD_OFFSETS = torch.randn(4, dtype=torch.float64)
+
+
+class GlobalAndInside(nn.Module):
+    """A score_mod made in forward over a tensor made there that also reads a module-global tensor (reached through
+    the module of the function's globals, with a source, on every supported torch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(4, dtype=torch.float64))
+
+    def forward(self, q, k, v):
+        scaled = self.slopes * 3
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + scaled[h] + HEAD_OFFSETS[h])
+
+
 @pytest.mark.parametrize("module,shapes,dynamic", [
     (ViewBuffer, [(2, 4, 32, 16)], False),
+    (GlobalAndInside, [(2, 4, 40, 16)], False),
     (LayersInside, [(2, 4, 40, 16)], False),
     (DictInside, [(2, 4, 40, 16)], False),
     (RowOfInside, [(2, 4, 40, 16)], False),
@@ -533,6 +550,96 @@ def test_fullgraph_lambda_reading_a_global_tensor():
     fn, _ = compiled(M())
     fn(*qkv()).sum().backward()
     assert BIAS.grad is not None
+
+
+class WindowMask:
+    """A mask_mod as an instance of a class with __call__ (PyTorch's test_callable_class_mask_mod)."""
+
+    def __init__(self, window):
+        self.window = window
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | ((kv_idx - q_idx) < self.window)
+
+
+class HeadBias:
+    """A score_mod as an instance of a class with __call__, reading a tensor attribute."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[h] * 0.5
+
+
+def test_fullgraph_callable_objects_as_mods():
+    """Values equal eager's, and changing the objects' attributes (a number, a rebound tensor) changes the result."""
+    import warnings
+
+    mask, bias = WindowMask(8), HeadBias(torch.randn(H, dtype=torch.float64))
+
+    def attend(q, k, v):
+        block_mask = flexgen.create_block_mask(mask, 1, H, 40, 40, device=q.device)
+        return flexgen.flex_attention(q, k, v, score_mod=bias, block_mask=block_mask)
+
+    torch._dynamo.reset()
+    compiled_attend = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    q, k, v = (torch.randn(1, H, 40, 16, dtype=torch.float64) for _ in range(3))
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        for window in (8, 3):
+            mask.window, bias.table = window, torch.randn(H, dtype=torch.float64)
+            out = compiled_attend(q, k, v)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out, attend(q, k, v), atol=1e-12, rtol=1e-12)
+            outs.append(out)
+    assert not torch.allclose(outs[0], outs[1])
+
+
+class _Tanh(torch.autograd.Function):
+    """attention-gym's approximate tanh: a custom autograd Function (there, over a custom op), applied in a mod."""
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return torch.tanh(x), 0
+
+
+def _softcap_with(tanh, cap):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * tanh(score / cap)
+    return softcap
+
+
+def test_fullgraph_score_mod_applying_a_custom_autograd_function():
+    """The closure holds the Function's `apply`: its module's values are torch's, not the mod's (not looked into),
+    and torch 2.11's dynamo, which cannot type it, guards it where it reads the cell."""
+    import warnings
+
+    torch._dynamo.reset()
+    score_mod = _softcap_with(_Tanh.apply, 20.0)
+    attend = torch.compile(lambda q, k, v: flexgen.flex_attention(q, k, v, score_mod=score_mod),
+                           backend="aot_eager", fullgraph=True)
+    q, k, v = (torch.randn(1, H, 40, 16, dtype=torch.float64) * 8 for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        out = attend(q, k, v)
+        want = flexgen.flex_attention(q, k, v, score_mod=_softcap_with(torch.tanh, 20.0))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
 
 
 def _causal(b, h, q_idx, kv_idx):
