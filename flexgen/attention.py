@@ -277,7 +277,7 @@ def flex_attention(
     if bm is not None and mask_parts is not None:  # (PyTorch's create_block_mask's lists follow their mask_mod)
         bm = adopt_if_lists_follow(bm, *mask_parts)
     if bm is not None and reason is None:
-        reason = hand_made_blocks_reason(_static_block_size(bm)[0], bm.blocks_follow_mask_mod)
+        reason = hand_made_blocks_reason(_static_block_size(bm), bm.blocks_follow_mask_mod)
         if reason is not None and _leaves_for_unfused(reason, dropout_p):
             return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                       dropout_p, return_aux)

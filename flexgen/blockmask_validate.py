@@ -9,9 +9,9 @@ import operator
 
 import torch
 
-# The kernels' tiles are multiples of 16 rows; a block must hold whole tiles (flex_attention
-# checks the exact tile it picks against BLOCK_SIZE at the call).
-BLOCK_MULTIPLE = 16
+# The kernels' tiles are multiples of 16 rows: they walk blocks that hold whole tiles. A block mask may have blocks
+# of any size (PyTorch's take any); flex_attention runs blocks of other sizes on its unfused path.
+KERNEL_BLOCK_MULTIPLE = 16
 
 
 def as_int(value) -> int | None:
@@ -23,14 +23,15 @@ def as_int(value) -> int | None:
         return None
 
 
-def block_size(BLOCK_SIZE, where: str) -> tuple[int, int]:
-    """(Q, KV) block sizes: an int, or a pair of ints, each a positive multiple of 16."""
+def block_size(BLOCK_SIZE, where: str, multiple: int = 1) -> tuple[int, int]:
+    """(Q, KV) block sizes: an int, or a pair of ints, each positive (and a multiple of `multiple`)."""
     pair = (BLOCK_SIZE, BLOCK_SIZE) if not isinstance(BLOCK_SIZE, (tuple, list)) else tuple(BLOCK_SIZE)
     sizes = tuple(as_int(v) for v in pair) if len(pair) == 2 else (None,)
-    if any(s is None or s <= 0 or s % BLOCK_MULTIPLE for s in sizes):
+    if any(s is None or s <= 0 or s % multiple for s in sizes):
+        what = "a positive int" if multiple == 1 else f"a positive multiple of {multiple}"
         raise ValueError(
-            f"{where}: BLOCK_SIZE must be a positive multiple of {BLOCK_MULTIPLE} (an int, or a (Q, KV) pair), "
-            f"got {BLOCK_SIZE!r}; 128 is the default and what the kernels' tiles divide"
+            f"{where}: BLOCK_SIZE must be {what} (an int, or a (Q, KV) pair), got {BLOCK_SIZE!r}; 128 is the "
+            f"default and what the kernels' tiles divide"
         )
     return sizes
 

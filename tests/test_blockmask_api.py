@@ -46,10 +46,10 @@ def _valid_lists():
     return counts, indices
 
 
-@pytest.mark.parametrize("block_size", [0, -128, 7, 100, (128, 8), (64, 0), True, 128.0, (128,), "128"])
+@pytest.mark.parametrize("block_size", [0, -128, (64, 0), (128, -8), True, 128.0, (128,), "128"])
 def test_from_kv_blocks_refuses_block_size(block_size):
     counts, indices = _valid_lists()
-    with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive multiple of 16"):
+    with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive int"):
         BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=block_size)
 
 
@@ -217,8 +217,8 @@ def test_block_sparse_mask_refuses_bad_input():
     layout = torch.rand(1, 2, 3, 4, generator=torch.Generator().manual_seed(4)) < 0.5
     with pytest.raises(TypeError, match="got list"):
         block_sparse_mask(layout.tolist())
-    for bs in (0, -16, 7, (128, 24)):
-        with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive multiple of 16"):
+    for bs in (0, -16, 7.0, (128, 0)):
+        with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive int"):
             block_sparse_mask(layout, BLOCK_SIZE=bs)
     with pytest.raises(ValueError, match=r"need a layout of \(2, 4\) blocks, got \(3, 4\)"):
         block_sparse_mask(layout, BLOCK_SIZE=128, seq_lengths=(256, 512))

@@ -119,11 +119,13 @@ def test_hand_made_lists_of_short_query_blocks_run_unfused():
     be exact. Lists from create_block_mask run on the kernels at any size."""
     from flexgen.runtime.call_checks import hand_made_blocks_reason
 
-    assert hand_made_blocks_reason(128, False) is None and hand_made_blocks_reason(192, False) is None
-    assert hand_made_blocks_reason(32, True) is None and hand_made_blocks_reason(80, True) is None
-    assert "32-row query blocks" in hand_made_blocks_reason(32, False)
-    assert "80-row query blocks" in hand_made_blocks_reason(80, False)
-    assert hand_made_blocks_reason(1 << 30, False) is None  # PyTorch's empty mask
+    assert hand_made_blocks_reason((128, 128), False) is None and hand_made_blocks_reason((192, 64), False) is None
+    assert hand_made_blocks_reason((32, 32), True) is None and hand_made_blocks_reason((80, 16), True) is None
+    assert "32-row query blocks" in hand_made_blocks_reason((32, 128), False)
+    assert "80-row query blocks" in hand_made_blocks_reason((80, 128), False)
+    for size in ((8, 128), (128, 4), (24, 24)):  # (whether or not the lists follow a mask_mod)
+        assert f"BLOCK_SIZE {size}" in hand_made_blocks_reason(size, True)
+    assert hand_made_blocks_reason((1 << 30, 1 << 30), False) is None  # PyTorch's empty mask
 
 
 def test_flex_attention_sends_hand_made_short_blocks_to_the_unfused_path(monkeypatch):
@@ -140,6 +142,52 @@ def test_flex_attention_sends_hand_made_short_blocks_to_the_unfused_path(monkeyp
     assert flexgen.flex_attention(q, k, v, block_mask=hand) == "unfused" and "32-row query blocks" in routed[0]
     with pytest.raises(ValueError, match="dropout needs the generated kernels"):
         flexgen.flex_attention(q, k, v, block_mask=hand, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("block_size", [8, (4, 12), 2, 24])
+def test_block_masks_of_any_block_size(block_size):
+    """PyTorch's BlockMasks take blocks of any size (attention-gym's VSA tests use 2-8 tokens); the kernels walk
+    multiples of 16, so such a call runs the unfused path, exactly: lists from create_block_mask, and hand-made lists
+    (a random layout of listed blocks, some of them full) against the dense mask they stand for."""
+    lq, lkv = 40, 36
+    q, k, v = _inputs(torch.float64, lq=lq, lkv=lkv)
+    made = flexgen.create_block_mask(CAUSAL, None, None, lq, lkv, device="cpu", BLOCK_SIZE=block_size)
+    out = _quiet(flexgen.flex_attention, q, k, v, block_mask=made)
+    want, _ = _dense(q, k, v, causal=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+    bq, bkv = (block_size, block_size) if isinstance(block_size, int) else block_size
+    nq, nkv = -(-lq // bq), -(-lkv // bkv)
+    gen = torch.Generator().manual_seed(torch.seed())
+    state = torch.randint(0, 3, (2, 4, nq, nkv), generator=gen)  # 0 not listed, 1 partial (causal), 2 full
+    state[..., 0] = 2  # (no row without a key)
+
+    def lists(which):  # each row's blocks of that state in a random order, then the others (past the count)
+        listed = state == which
+        key = torch.where(listed, torch.rand(state.shape, generator=gen, dtype=torch.float64), 2.0)
+        return listed.sum(-1).to(torch.int32), key.argsort(-1).to(torch.int32)
+
+    (counts, indices), (full_counts, full_indices) = lists(1), lists(2)
+    hand = flexgen.BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=block_size,
+                                            mask_mod=CAUSAL, seq_lengths=(lq, lkv))
+    out = _quiet(flexgen.flex_attention, q, k, v, block_mask=hand)
+    dense_state = state.repeat_interleave(bq, 2)[:, :, :lq].repeat_interleave(bkv, 3)[..., :lkv]
+    causal = torch.arange(lq)[:, None] >= torch.arange(lkv)[None, :]
+    keep = (dense_state == 2) | ((dense_state == 1) & causal)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~keep, -math.inf)
+    want = torch.softmax(s, -1).nan_to_num() @ v
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+
+def test_a_cuda_call_with_blocks_of_another_size_runs_unfused(monkeypatch):
+    routed = []
+    monkeypatch.setattr(attention, "unfused_reason", lambda q, v: None)
+    monkeypatch.setattr(attention, "_unfused_attention", lambda reason, *args: routed.append(reason) or "unfused")
+    q, k, v = _inputs(torch.bfloat16, lq=64, lkv=64)
+    mask = flexgen.create_block_mask(CAUSAL, None, None, 64, 64, device="cpu", BLOCK_SIZE=8)
+    assert flexgen.flex_attention(q, k, v, block_mask=mask) == "unfused" and "BLOCK_SIZE (8, 8)" in routed[0]
 
 
 def test_bf16_on_the_cpu_is_rounded_once():

@@ -87,9 +87,9 @@ def load_variants(path: str | Path) -> list[dict]:
 
 def _block_size(value) -> tuple[int, int]:
     """A variant's BLOCK_SIZE: the block mask's blocks it runs with (create_block_mask's default 128)."""
-    from ..blockmask_validate import block_size
+    from ..blockmask_validate import KERNEL_BLOCK_MULTIPLE, block_size
 
-    return block_size(value, "a build file's BLOCK_SIZE")
+    return block_size(value, "a build file's BLOCK_SIZE", KERNEL_BLOCK_MULTIPLE)
 
 
 def _tuple(v) -> tuple:

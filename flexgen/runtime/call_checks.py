@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..blockmask_validate import KERNEL_BLOCK_MULTIPLE
 from ..codegen.spec import HEAD_DIMS
 from ..warnings_once import warn_once
 
@@ -35,8 +36,12 @@ def unfused_reason(query, value) -> str | None:
 MIN_TILE_ROWS = 64
 
 
-def hand_made_blocks_reason(q_block: int, blocks_follow_mask_mod: bool) -> str | None:
-    """Why a block mask's lists keep the call off the generated kernels (None: they do not)."""
+def hand_made_blocks_reason(block_size: tuple[int, int], blocks_follow_mask_mod: bool) -> str | None:
+    """Why a block mask's blocks keep the call off the generated kernels (None: they do not)."""
+    q_block, kv_block = block_size
+    if q_block % KERNEL_BLOCK_MULTIPLE or kv_block % KERNEL_BLOCK_MULTIPLE:
+        return (f"block masks of BLOCK_SIZE {tuple(block_size)} (the kernels walk blocks of a multiple of "
+                f"{KERNEL_BLOCK_MULTIPLE} tokens)")
     if blocks_follow_mask_mod or q_block % MIN_TILE_ROWS == 0:
         return None
     return (f"hand-made block lists of {q_block}-row query blocks (the kernels walk hand-made lists in blocks of a "
