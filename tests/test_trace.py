@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import flexgen
 from flexgen import variants
 from flexgen.dsl import ir
+from flexgen.dsl.errors import IndexingError
 from flexgen.dsl.ir import DType
 from flexgen.dsl.mod import Mod
 
@@ -284,6 +285,21 @@ def test_combined_mask_evaluates():
     assert torch.equal(m(0, 0, q, kv), ref)
 
 
+def test_a_combined_mask_takes_a_name_and_stays_immutable():
+    """attention-gym names what or_masks returns (`mask.__name__ = ...`): a label, outside the IR and every key."""
+    import dataclasses
+
+    m = flexgen.or_masks(variants.sliding_window(3), variants.prefix_lm(2))
+    token = m.token
+    assert isinstance(m.__name__, str)
+    m.__name__ = "global_sliding_window_3"
+    assert m.__name__ == "global_sliding_window_3" and m.token == token
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.name = "other"
+    with pytest.raises(TypeError, match="__name__ must be set to a string"):
+        m.__name__ = 3
+
+
 # ---------------------------------------------------------------- more torch functions, against torch itself
 
 N_POINTS = 256
@@ -431,6 +447,34 @@ def test_reductions_over_a_captured_row_match_torch(name):
     # The IR sums a row as a balanced tree, torch left to right: a few ulps of the O(1) terms apart.
     mod = _against_torch(ROW_REDUCTIONS[name], exact=False, seed=len(name), atol=1e-13)
     assert all(n.op not in ("load",) or len(n.args) == n.attr.ndim for n in ir.postorder(mod.expr))
+
+
+TOPK = torch.randint(0, 25, (2, 4, 5, 3), dtype=torch.int64)
+ROW_SHAPES = {
+    # attention-gym's VSA mask: is the key's tile among the query tile's top-k? (a score, so it runs under vmap too)
+    "membership_by_unsqueeze": lambda s, b, h, q, kv: torch.where(
+        (TOPK[b, h, q // 40] == (kv // 8).unsqueeze(-1)).any(dim=-1), s, s - 100.0),
+    "scalar_unsqueeze_squeeze": lambda s, b, h, q, kv: s + (s.unsqueeze(0).unsqueeze(-1) * WEIGHTS).sum()
+    + s.unsqueeze(0).squeeze() + torch.unsqueeze(q, 0).squeeze(0),
+    "reshape_view_flatten": lambda s, b, h, q, kv: s + (GRID[h].reshape(6, 3)[2] * GRID[b].view(-1)[:3]).sum()
+    + GRID[h].flatten()[7] + torch.reshape(ROWS[h], (2, 3))[1, 2],
+    "permute_transpose_t": lambda s, b, h, q, kv: s + GRID[h].permute(1, 0)[5, 2] + GRID[h].transpose(0, 1)[4, 1]
+    + GRID[h].t()[3, 0] * 2 + GRID[h].movedim(0, 1)[2, 1],
+    "expand_broadcast_to": lambda s, b, h, q, kv: s + (ROWS[h].expand(3, 6) * GRID[b]).sum()
+    + s.expand(4).sum() + torch.broadcast_to(WEIGHTS, (2, 6))[1, 3],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_SHAPES))
+def test_shape_methods_on_traced_values_match_torch(name):
+    """unsqueeze, squeeze, reshape, view, flatten, permute, transpose, t, movedim, expand and broadcast_to on traced
+    scores, indices and captured rows do what torch does per element."""
+    _against_torch(ROW_SHAPES[name], exact=False, seed=len(name), atol=1e-13)
+
+
+def test_shape_methods_say_what_is_wrong():
+    with pytest.raises(IndexingError, match=r"reshape\(\) of an array of shape \(6,\)"):
+        flexgen.score_mod(lambda s, b, h, q, kv: s + ROWS[h].reshape(4, 2).sum())
 
 
 def test_row_reduction_in_the_text_form_is_the_same_ir():

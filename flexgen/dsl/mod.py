@@ -96,6 +96,12 @@ class Mod:
         register_mod(self)
 
     @property
+    def __name__(self) -> str:
+        """A label only (not part of the IR or any key): code written for PyTorch reads and sets it on mask and
+        score functions, combined ones too (`mask = or_masks(a, b); mask.__name__ = "global_window"`)."""
+        return self.__dict__.get("_label", self.name)
+
+    @property
     def arg_names(self) -> tuple[str, ...]:
         return SCORE_ARGS if self.kind == "score" else MASK_ARGS
 
@@ -133,3 +139,19 @@ class Mod:
 
     def __repr__(self) -> str:
         return f"{self.kind}_mod {self.name}: {self.pretty()}"
+
+
+_frozen_setattr = Mod.__setattr__
+
+
+def _set_label_only(mod: Mod, name: str, value) -> None:
+    """A Mod stays immutable but for its __name__ label."""
+    if name != "__name__":
+        _frozen_setattr(mod, name, value)
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"__name__ must be set to a string, not {type(value).__name__}")
+    object.__setattr__(mod, "_label", value)
+
+
+Mod.__setattr__ = _set_label_only

@@ -795,6 +795,8 @@ def torch_function(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     name = getattr(func, "__name__", "")
     if name in _ARRAY_FUNCTIONS and any(_is_array(v) for v in (*args, *kwargs.values())):
         return array_function(tracer, name, args, kwargs)
+    if name in vectors.SHAPE_METHODS and args and isinstance(args[0], (Proxy, ArrayValue)):
+        return rearranged(args[0], name, args[1:], kwargs)
     handler = METHODS["where"] if func is torch.Tensor.where else FUNCTIONS.get(name)
     if name in _CONCRETE_METHODS:
         raise concrete_value_error(tracer, f".{name}()")
@@ -892,6 +894,8 @@ class Proxy:
             raise AttributeError(name)
         if name in _CONCRETE_METHODS:
             raise concrete_value_error(self.tracer, f".{name}()")
+        if name in vectors.SHAPE_METHODS:
+            return lambda *args, **kwargs: rearranged(self, name, args, kwargs)
         method = METHODS.get(name)
         if method is None:
             if hasattr(torch.Tensor, name):
@@ -1005,6 +1009,8 @@ class ArrayValue:
             raise concrete_value_error(self.tracer, f".{name}()")
         if name in _ARRAY_FUNCTIONS:
             return lambda *args, **kwargs: array_function(self.tracer, name, (self, *args), kwargs)
+        if name in vectors.SHAPE_METHODS:
+            return lambda *args, **kwargs: rearranged(self, name, args, kwargs)
         if name in METHODS:
             method = METHODS[name]
             return lambda *args, **kwargs: apply(self.tracer, f".{name}()", method, (self, *args), kwargs)
@@ -1140,6 +1146,18 @@ def _tensor_elements(tracer: Tracer, tensor: torch.Tensor) -> Vector:
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, ArrayValue) or (isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def rearranged(value: "Proxy | ArrayValue", method: str, args: tuple, kwargs: dict) -> "Proxy | Vector":
+    """x.unsqueeze(-1), x.reshape(2, 3), x.t(), ...: the same elements in another shape (a traced score or index is
+    an array of shape ())."""
+    tracer = value.tracer
+    array = value.elements() if isinstance(value, ArrayValue) else Vector(tracer, (), [value.node], "")
+    try:
+        picked, shape = vectors.rearrange(array._shape, method, args, kwargs)
+    except vectors.VectorShapeError as e:
+        raise tracer.error(IndexingError, str(e)) from None
+    return Vector.of(tracer, shape, [array.items[i] for i in picked], array.origin)
 
 
 def _elements(tracer: Tracer, value: Any) -> Vector | None:

@@ -64,6 +64,22 @@ def select(shape: tuple[int, ...], key) -> tuple[list[int], tuple[int, ...]]:
     return picked.reshape(-1).tolist(), tuple(picked.shape)
 
 
+# Methods that only rearrange an array's elements (row-major order kept or permuted), on traced values as on tensors.
+SHAPE_METHODS = ("unsqueeze", "squeeze", "reshape", "view", "flatten", "expand", "broadcast_to", "permute",
+                 "transpose", "movedim", "t")
+
+
+def rearrange(shape: tuple[int, ...], method: str, args: tuple, kwargs: dict) -> tuple[list[int], tuple[int, ...]]:
+    """`method` applied to an array of `shape` (torch's own rules, on the positions): the positions of the result's
+    elements and its shape."""
+    try:
+        picked = getattr(torch.arange(numel(shape)).reshape(shape), method)(*args, **kwargs)
+    except (RuntimeError, TypeError, IndexError) as e:
+        raise VectorShapeError(f"{method}() of an array of shape {tuple(shape)}: {e}") from None
+    check_size(tuple(picked.shape), f"the result of {method}()")
+    return picked.reshape(-1).tolist(), tuple(picked.shape)
+
+
 def _dims(dim, ndim: int) -> tuple[int, ...]:
     if dim is None:
         return tuple(range(ndim))
