@@ -112,7 +112,7 @@ def _leaves_for_unfused(reason: str, dropout_p: float) -> bool:
 
 def _unfused_attention(reason: str, query, key, value, score_mod, block_mask, scale, enable_gqa: bool, return_lse: bool,
                        dropout_p: float, return_aux):
-    bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
+    bm = BlockMask.from_torch(block_mask).for_batch_and_heads(*query.shape[:2]) if block_mask is not None else None
     if bm is not None:  # the checks the kernels' path makes, with the same messages
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
     unfused_notice(reason, stacklevel=4)
@@ -269,7 +269,7 @@ def flex_attention(
     if reason is not None and _leaves_for_unfused(reason, dropout_p):
         return _unfused_attention(reason, query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                   dropout_p, return_aux)
-    bm = BlockMask.from_torch(block_mask) if block_mask is not None else None
+    bm = BlockMask.from_torch(block_mask).for_batch_and_heads(*query.shape[:2]) if block_mask is not None else None
     if bm is not None:  # here, not only in the ops: they take the lengths from the inputs
         check_block_mask_shape(bm.seq_lengths, bm.kv_num_blocks, query, key)
     score_parts = mod_parts(score_mod, "score", query.device)

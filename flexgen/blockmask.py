@@ -401,6 +401,16 @@ class BlockMask:
                                                self.mask_mod)
         return adjusted.derived_from_mask_mod() if self.blocks_follow_mask_mod else adjusted
 
+    def for_batch_and_heads(self, b: int, h: int) -> "BlockMask":
+        """The mask's first b batches and h heads where it has more: PyTorch's kernels read batch `b % B` and head
+        `h % H` of a mask, so one made for a larger batch serves a smaller one (a decoding cache's mask made for its
+        max_batch_size, sliced to a request's length by _adjust)."""
+        mb, mh = self.kv_num_blocks.shape[0], self.kv_num_blocks.shape[1]
+        if mb <= b and mh <= h:
+            return self
+        rows, heads = (b if mb > b else mb), (h if mh > h else mh)
+        return self._map_tensors(lambda t: t[:rows, :heads])
+
     def _broadcast_to(self, b: int, h: int) -> "BlockMask":
         """The lists copied out to (b, h, ...), as PyTorch's create_block_mask gives them: code written for it views
         them flat per batch (PagedAttention's `kv_indices.view(B, -1)`), which a stride-0 view refuses. A mask

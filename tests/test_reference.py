@@ -330,8 +330,12 @@ def test_block_mask_errors():
         reference_attention(q, k, v, mask_mod=bm)
     wide = BlockMask.from_kv_blocks(torch.ones(3, 1, 2, dtype=torch.int32), torch.zeros(3, 1, 2, 2, dtype=torch.int32),
                                     BLOCK_SIZE=16, seq_lengths=(32, 32))
+    first = BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
+                                     BLOCK_SIZE=16, seq_lengths=(32, 32))
+    torch.testing.assert_close(reference_attention(q, k, v, block_mask=wide),  # (a larger batch's mask: its first)
+                               reference_attention(q, k, v, block_mask=first), rtol=0, atol=0)
     with pytest.raises(ValueError, match="B=3"):
-        reference_attention(q, k, v, block_mask=wide)
+        reference_attention(*qkv(B=4, Hq=2, Hkv=2, Lq=32, Lkv=32), block_mask=wide)
     past_end = BlockMask.from_kv_blocks(torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 2, dtype=torch.int32),
                                         BLOCK_SIZE=16, seq_lengths=(32, 32))
     past_end.kv_indices[..., 0, 0] = 5  # (changed after the checks; a block past the sequence holds no keys)

@@ -190,6 +190,31 @@ def test_a_cuda_call_with_blocks_of_another_size_runs_unfused(monkeypatch):
     assert flexgen.flex_attention(q, k, v, block_mask=mask) == "unfused" and "BLOCK_SIZE (8, 8)" in routed[0]
 
 
+def test_a_mask_for_more_batches_and_heads_serves_with_its_first_ones():
+    """PyTorch's kernels read batch b % B and head h % H of a block mask: its decoding tests attend one request with
+    a mask made for max_batch_size (and sliced by _adjust). flexgen takes the first batches and heads; a mask with
+    fewer (but more than one) is refused, as before."""
+    lengths = torch.tensor([5, 30, 17, 40])
+    heads_window = torch.tensor([3, 1000])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx - kv_idx < heads_window[h]) & (q_idx >= kv_idx)
+
+    block_mask = flexgen.create_block_mask(mask_mod, 4, 2, 48, 48, device="cpu", BLOCK_SIZE=16)
+    q, k, v = _inputs(torch.float64, b=2, h=1, lq=48, lkv=48)
+    for attend in (flexgen.flex_attention, torch.compile(flexgen.flex_attention, backend="aot_eager", fullgraph=True)):
+        out = _quiet(attend, q, k, v, block_mask=block_mask)
+        qi, ki = torch.arange(48)[:, None], torch.arange(48)[None, :]
+        keep = torch.stack([mask_mod(b, 0, qi, ki) for b in range(2)])[:, None]
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~keep, -math.inf)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, torch.softmax(s, -1).nan_to_num() @ v, atol=1e-12, rtol=1e-12)  # (empty rows: 0)
+    q4 = torch.randn(4, 1, 48, 64, dtype=torch.float64)
+    three = flexgen.create_block_mask(mask_mod, 3, 1, 48, 48, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="block mask has B=3, H=1; each must be 1 or match the query's B=4"):
+        _quiet(flexgen.flex_attention, q4, q4, q4, block_mask=three)
+
+
 def test_bf16_on_the_cpu_is_rounded_once():
     q, k, v = _inputs(torch.bfloat16)
     with pytest.warns(UserWarning, match="CPU tensors"):

@@ -68,7 +68,7 @@ def reference_outputs(q, k, v, score_mod=None, mask_mod=None, scale=None, enable
             raise ValueError("pass either mask_mod or block_mask (whose mask_mod applies inside its partial blocks), not both")
         from ..blockmask import BlockMask
 
-        block_mask = BlockMask.from_torch(block_mask)
+        block_mask = BlockMask.from_torch(block_mask).for_batch_and_heads(B, Hq)
         layout = _block_layout(block_mask, B, Hq, Lq, Lkv, q.device)
         mask_mod = block_mask.mask_mod
     score_fn = _as_score_fn(score_mod)

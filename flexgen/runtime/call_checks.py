@@ -90,7 +90,8 @@ def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torc
     b, h = query.shape[0], query.shape[1]
     mb, mh = kv_num_blocks.shape[0], kv_num_blocks.shape[1]
     if not (mb == 1 or mb == b) or not (mh == 1 or mh == h):  # (not `in`: dynamo misjudges it on symbolic sizes)
-        raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; it must be 1 or match the query's B={b}, H={h}")
+        raise ValueError(f"flex_attention: block mask has B={mb}, H={mh}; each must be 1 or match the query's B={b}, "
+                         f"H={h} (a mask with more batches or heads serves with its first ones)")
 
 
 def check_block_grid(bm, query: torch.Tensor, key: torch.Tensor) -> None:
