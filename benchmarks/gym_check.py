@@ -1,0 +1,128 @@
+"""Every mask and score_mod of attention-gym (its own functions, imported from a checkout), through flexgen, against
+PyTorch's own flex_attention in float64 on the same inputs, eager and under torch.compile(fullgraph=True).
+
+    python3 benchmarks/gym_check.py PATH/attention-gym [--device cuda] [--dtype bf16] [--length 1024]
+
+On a GPU flexgen runs its kernels in bf16 / fp16, and its error against the float64 result may be at most twice
+PyTorch's own eager error in that dtype (plus 1e-3 absolute, for outputs near zero); on the CPU (float64) the two
+must agree to 1e-6. Prints one line per function and exits nonzero if any fails. Its tests are gym_tests.sh's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import flex_attention as torch_flex
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import flexgen  # noqa: E402
+
+B, H, D = 2, 4, 64
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def import_gym(path: Path):
+    """attn_gym's masks and mods, without its package __init__ (which imports its Triton and CuTe kernels)."""
+    package = types.ModuleType("attn_gym")
+    package.__path__ = [str(path / "attn_gym")]
+    sys.modules["attn_gym"] = package
+    import attn_gym.masks as masks
+    import attn_gym.mods as mods
+
+    return masks, mods
+
+
+def cases(masks, mods, n: int, device) -> list[tuple[str, dict, tuple[int, int]]]:
+    """(name, {"mask": ..., "score": ...}, (Q_LEN, KV_LEN)) for each function, with arguments that fit n tokens."""
+    side = int(n ** 0.5)
+    cube = round(n ** (1 / 3))
+    frames, prompt = 4, n // 8
+    per_frame = (n - prompt) // frames
+    images = torch.tensor([[0, n // 3], [n // 4, n // 2], [n // 2, n], [3 * n // 4, n]], device=device)
+    rope = torch.float64 if device.type == "cpu" else torch.float32  # (the CPU's comparison is float64 throughout)
+    q_rope = torch.randn(B, H, n, 32, device=device, dtype=rope)
+    k_rope = torch.randn(B, 1, n, 32, device=device, dtype=rope)
+    return [
+        ("causal", {"mask": masks.causal_mask}, (n, n)),
+        ("sliding_window", {"mask": masks.generate_sliding_window(n // 8)}, (n, n)),
+        ("dilated_sliding_window", {"mask": masks.generate_dilated_sliding_window(n // 8, 2)}, (n, n)),
+        ("prefix_lm", {"mask": masks.generate_prefix_lm_mask(n // 5)}, (n, n)),
+        ("batchify_causal", {"mask": masks.batchify_mask_mod(masks.causal_mask, n // 4)}, (n, n)),
+        ("sta_2d", {"mask": masks.generate_sta_mask_mod_2d(canvas_hw=(side, side), kernel_hw=(side // 2, side // 2),
+                                                           tile_hw=(side // 4, side // 4))}, (side * side,) * 2),
+        ("sta_3d", {"mask": masks.generate_sta_mask_mod_3d(canvas_twh=(cube,) * 3, kernel_twh=(cube // 2,) * 3,
+                                                           tile_twh=(cube // 4 or 1,) * 3)}, (cube ** 3,) * 2),
+        ("svg_spatial", {"mask": masks.generate_spatial_head_mask_mod(prompt_length=prompt, num_frames=frames,
+                                                                       token_per_frame=per_frame, round_width=16)},
+         (n, n)),
+        ("svg_temporal", {"mask": masks.generate_temporal_head_mask_mod(prompt_length=prompt, num_frames=frames,
+                                                                         token_per_frame=per_frame)}, (n, n)),
+        ("vision_cross_attention", {"mask": masks.generate_vision_cross_attention_mask_mod(images, n // 8)},
+         (n, n // 2)),
+        ("alibi", {"score": mods.generate_alibi_bias(H)}, (n, n)),
+        ("alibi_causal", {"score": mods.generate_alibi_bias(H), "mask": masks.causal_mask}, (n, n)),
+        ("sandwich", {"score": mods.generate_sandwich_bias(H, n, device=device)}, (n, n)),
+        ("tanh_softcap", {"score": mods.generate_tanh_softcap(30)}, (n, n)),
+        ("tanh_softcap_approx", {"score": mods.generate_tanh_softcap(30, approx=True)}, (n, n)),
+        ("activation_gelu", {"score": mods.generate_activation_score_mod(F.gelu)}, (n, n)),
+        ("mla_rope", {"score": mods.generate_mla_rope_score_mod(q_rope, k_rope, num_heads=H)}, (n, n)),
+    ]
+
+
+def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device) -> tuple[bool, str]:
+    q_len, kv_len = lengths
+    gen = torch.Generator(device=device).manual_seed(len(name))
+    q, k, v = (torch.randn(B, H, n, D, generator=gen, device=device, dtype=torch.float64)
+               for n in (q_len, kv_len, kv_len))
+    mask, score = fns.get("mask"), fns.get("score")
+    theirs = torch_flex.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
+    ours = flexgen.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
+    gold = torch_flex.flex_attention(q, k, v, score_mod=score, block_mask=theirs).nan_to_num()
+    low = [t.to(dtype) for t in (q, k, v)]
+    torch._dynamo.reset()
+    compiled = torch.compile(flexgen.flex_attention, fullgraph=True)
+    eager_out = flexgen.flex_attention(*low, score_mod=score, block_mask=ours)
+    compiled_out = compiled(*low, score_mod=score, block_mask=ours)
+    if dtype == torch.float64:
+        bar, limit = 0.0, 1e-6
+    else:  # PyTorch's own error in this dtype
+        bar = (torch_flex.flex_attention(*low, score_mod=score, block_mask=theirs).double() - gold).abs().max().item()
+        limit = 2 * bar + 1e-3
+    errors = [(out.double() - gold).abs().max().item() for out in (eager_out, compiled_out)]
+    nan = any(out.isnan().any().item() for out in (eager_out, compiled_out))
+    ok = not nan and max(errors) <= limit
+    return ok, f"eager {errors[0]:.2e}  compiled {errors[1]:.2e}  PyTorch {bar:.2e}  limit {limit:.2e}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("gym", type=Path, help="an attention-gym checkout")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on a GPU, fp64 on the CPU")
+    parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default 1024 on a GPU, 64)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp64")]
+    n = args.length or (1024 if device.type == "cuda" else 64)
+    masks, mods = import_gym(args.gym)
+    warnings.simplefilter("ignore")  # (the unfused path's notice on the CPU)
+    failed = 0
+    for name, fns, lengths in cases(masks, mods, n, device):
+        try:
+            ok, line = run(name, fns, lengths, dtype, device)
+        except Exception as e:  # a refusal is a failure too: report it and go on
+            ok, line = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name:24s} {line}", flush=True)
+    print(f"{failed} failed of {len(cases(masks, mods, n, device))} ({dtype}, {device}, {n} tokens)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
