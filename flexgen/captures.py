@@ -83,7 +83,7 @@ def _holds_values(obj) -> bool:
     if isinstance(obj, (torch.Tensor, type, types.ModuleType)) or type(obj) in _PLAIN or _of_torch(obj):
         return False
     return (isinstance(obj, (types.FunctionType, types.MethodType, functools.partial, torch.nn.Module, tuple, list,
-                             dict)) or _is_plain_object(obj))
+                             dict)) or is_plain_object(obj))
 
 
 def _of_torch(obj) -> bool:
@@ -223,7 +223,7 @@ def _children(obj) -> list[tuple[tuple, Any]]:
                 + [(("partial_kw", k), x) for k, x in obj.keywords.items()])
     if hasattr(obj, "__self__") and hasattr(obj, "__func__"):
         return [(("attr", "__self__"), obj.__self__), (("attr", "__func__"), obj.__func__)]
-    if _is_plain_object(obj):  # an instance of a user class (PyTorch's PagedAttention keeps its page tables so)
+    if is_plain_object(obj):  # an instance of a user class (PyTorch's PagedAttention keeps its page tables so)
         return [(("attr", n), x) for n, x in vars(obj).items() if not n.startswith("__")]
     out: list[tuple[tuple, Any]] = []
     code = getattr(obj, "__code__", None)
@@ -243,7 +243,7 @@ def _children(obj) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _is_plain_object(obj) -> bool:
+def is_plain_object(obj) -> bool:
     """An instance with attributes of its own that is not a function, class or module."""
     return (hasattr(obj, "__dict__") and not hasattr(obj, "__code__")
             and not isinstance(obj, (type, types.ModuleType, torch.Tensor, functools.partial)))
@@ -251,7 +251,7 @@ def _is_plain_object(obj) -> bool:
 
 def _may_hold_tensors(obj) -> bool:
     """Whether find_path looks inside obj (functions, Mods, Modules, plain objects and containers of them)."""
-    return callable(obj) or isinstance(obj, (Mod, torch.nn.Module, tuple, list, dict)) or _is_plain_object(obj)
+    return callable(obj) or isinstance(obj, (Mod, torch.nn.Module, tuple, list, dict)) or is_plain_object(obj)
 
 
 def find_path(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:

@@ -9,9 +9,10 @@ buffers graph inputs, so that gradients reach a learnable buffer. So:
   made inside the compiled region whose closure holds values of the trace (tensors made there, traced sizes) has no
   Python value dynamo can hand over, so another hook (`_capture_closure`) builds a stand-in over plain values of the
   same dtypes and shapes for the tracer, and hands the traced code the closure's contents as dynamo holds them, from
-  which the buffers are taken (a functools.partial goes the same way); where a cell holds what it cannot stand in for
-  (a module, an object of a user class), flex_attention graph-breaks into eager (an error under fullgraph=True, with
-  the reason);
+  which the buffers are taken (a functools.partial goes the same way); a cell holding the forward's own module or an
+  object of a user class is handed over as the object itself, and the plain values the trace read in it are guarded;
+  where a cell holds what it cannot stand in for, flex_attention graph-breaks into eager (an error under
+  fullgraph=True, with the reason);
 - a number in a closure that dynamo made symbolic (dynamic=True) is specialised by another hook
   (`_specialise_numbers`), or read by the kernel at run time where the function allows it;
 - a captured tensor is guarded on its dtype and number of dimensions, and on its shape where the trace reads it
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .captures import GLOBAL_MODULES, buffer_paths, follow, path_to, plain_values, traced
+from .captures import GLOBAL_MODULES, buffer_paths, follow, is_plain_object, path_to, plain_values, traced
 from .dynamo_marks import assume_constant_result
 
 
@@ -232,8 +233,8 @@ def _reads_captured_shapes(fn, kind: str, cells: tuple[int, ...]) -> bool:
 # Function code site -> a Python stand-in for a function made inside the compiled region (held "opaque"), written by
 # _capture_closure at trace time: the function's code over cells holding plain values in place of the trace's (an
 # unwritten tensor of a captured tensor's dtype and shape, a 0-dim int32 tensor for a symbolic integer read at run time,
-# a stand-in of a helper function made there too), which flexgen's tracer takes; None where a cell holds something
-# else (a module, an object of a user class), and flex_attention then breaks the graph.
+# a stand-in of a helper function made there too; a module or an object of a user class as itself), which flexgen's
+# tracer takes; None where a cell holds something else, and flex_attention then breaks the graph.
 _STAND_INS: dict[str, Any] = {}
 
 
@@ -290,6 +291,14 @@ def _stand_in(tx, vt, ints_at_run_time: bool) -> tuple[Any, Any]:
         if isinstance(sym, torch.SymInt) and ints_at_run_time:
             return torch.zeros((), dtype=torch.int32).as_subclass(_RunTimeInt), vt
         return guard_scalar(sym), vt
+    held = getattr(vt, "value", None)
+    if isinstance(held, torch.nn.Module) or (is_plain_object(held) and not callable(held)):
+        # `self` of the forward, or an object of a user class, made outside the compiled region and not written to
+        # in it: the object itself, which traced code reads attributes of (the plain values the trace reads in it
+        # are guarded by compiled_parts). One made inside holds its attributes only in dynamo's records.
+        if getattr(vt, "source", None) is None or _written_in_trace(tx, held):
+            raise _NoStandIn
+        return held, vt
     try:
         value = vt.as_python_constant()
     except Exception:
@@ -297,6 +306,15 @@ def _stand_in(tx, vt, ints_at_run_time: bool) -> tuple[Any, Any]:
     if value is None or isinstance(value, (bool, int, float, str, tuple)) or callable(value):
         return value, vt
     raise _NoStandIn
+
+
+def _written_in_trace(tx, obj) -> bool:
+    """Whether the traced code so far assigned an attribute of obj (dynamo applies that after the graph runs: the
+    object itself still holds the old value)."""
+    mutations = getattr(tx.output.side_effects, "store_attr_mutations", None)
+    if mutations is None:
+        return True  # (another torch's records: do not trust the object)
+    return any(getattr(key, "value", None) is obj and attrs for key, attrs in mutations.items())
 
 
 def _capture_closure(ctx) -> None:
@@ -339,11 +357,21 @@ def _stand_in_token(kind: str, site: str) -> str:
 
 
 @assume_constant_result
+def _stand_in_value_paths(site: str) -> tuple:
+    return tuple(path for path, _ in plain_values(_STAND_INS[site]))
+
+
+@assume_constant_result
 def _stand_in_buffer_paths(kind: str, site: str) -> tuple:
     """For each buffer of the stand-in's Mod, the module of its globals and how to reach the tensor (see
     _follow_captured)."""
     fn = _STAND_INS[site]
     return tuple((fn.__module__, *path) for path in _buffer_paths(kind, fn, None, ()))
+
+
+def _captured_values(captured: tuple, paths: tuple) -> tuple:
+    """Traced by dynamo (a function of its own, as _captured_buffers)."""
+    return tuple(_follow_captured(captured, ("", *path)) for path in paths)
 
 
 def _captured_buffers(captured: tuple, paths: tuple, device) -> tuple:
@@ -476,6 +504,10 @@ def compiled_parts(fn, kind: str, device):
         comptime(_capture_closure)  # (sets `captured` to the closure's values as the trace holds them)
         if not _written_at_trace_time("stand_in", site):
             return None  # (flex_attention runs it through the eager fallback)
+        # The plain values the trace read inside captured objects (self.temperature): read here and made constants,
+        # so that dynamo guards on each, as for a function made outside.
+        values = _captured_values(captured, _stand_in_value_paths(site))  # (read by the hook below)
+        comptime(_specialise_values)
         return _stand_in_token(kind, site), _captured_buffers(captured, _stand_in_buffer_paths(kind, site), device)
     ident = ()
     if held == "outside":

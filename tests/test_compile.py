@@ -497,6 +497,101 @@ class LayersInside(nn.Module):
         return out
 
 
+class SelfInside(nn.Module):
+    """A score_mod made in forward that reads the module itself (ALiBi with `self.bias[h] * self.scale` slopes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.scale = 0.5
+
+    def forward(self, q, k, v):
+        def score_mod(s, b, h, qi, ki):
+            return s + self.bias[h] * self.scale * (ki - qi)
+
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod)
+
+
+class _Config:
+    def __init__(self):
+        self.window = 4
+        self.table = torch.randn(4, dtype=torch.float64)
+
+
+class ObjectInside(nn.Module):
+    """A mask and a score_mod made in forward over an object of a user class (a config with a window and a table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = _Config()
+
+    def forward(self, q, k, v):
+        config = self.config
+
+        def mask_mod(b, h, qi, ki):
+            return (qi - ki).abs() <= config.window
+
+        def score_mod(s, b, h, qi, ki):
+            return s + config.table[h] * ki
+
+        block_mask = flexgen.create_block_mask(mask_mod, 1, 4, q.shape[2], k.shape[2], device=q.device)
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+class WritesThenReads(nn.Module):
+    """forward assigns self.scale, then makes a score_mod that reads it: dynamo applies the assignment only after the
+    graph, so the module still holds the old value while the mod is traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(4, dtype=torch.float64))
+        self.scale = 1.0
+
+    def forward(self, q, k, v):
+        self.scale = self.scale + 2.0
+        return flexgen.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + self.slopes[h] * self.scale * (ki - qi))
+
+
+def test_a_mod_over_the_module_written_in_forward_reads_the_written_value():
+    import warnings
+
+    q, k, v = (torch.randn(1, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    module = WritesThenReads()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        out = torch.compile(module, backend="aot_eager")(q, k, v)  # (a graph break: no stand-in for it)
+        assert module.scale == 3.0
+        module.scale = 1.0
+        want = module(q, k, v)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+
+def test_mods_made_inside_over_the_module_or_an_object_follow_their_attributes():
+    """The trace reads self.scale and config.window: another value recompiles (dynamo guards on each) and computes
+    eager's result; a tensor attribute rebound is read anew."""
+    import warnings
+
+    q, k, v = (torch.randn(1, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice)
+        for module, change in ((SelfInside(), lambda m, i: setattr(m, "scale", 0.5 + i)),
+                               (ObjectInside(), lambda m, i: setattr(m.config, "window", 4 + 5 * i))):
+            torch._dynamo.reset()
+            compiled_module = torch.compile(module, backend="aot_eager", fullgraph=True)
+            outs = []
+            for i in range(3):
+                change(module, i)
+                if i == 2 and isinstance(module, SelfInside):
+                    module.bias = nn.Parameter(torch.randn(4, dtype=torch.float64))
+                out = compiled_module(q, k, v)
+                assert not out.isnan().any()
+                torch.testing.assert_close(out, module(q, k, v), atol=1e-12, rtol=1e-12)
+                outs.append(out)
+            assert not torch.allclose(outs[0], outs[1])
+
+
 HEAD_OFFSETS = torch.randn(4, dtype=torch.float64)
 
 
@@ -516,6 +611,8 @@ class GlobalAndInside(nn.Module):
 @pytest.mark.parametrize("module,shapes,dynamic", [
     (ViewBuffer, [(2, 4, 32, 16)], False),
     (GlobalAndInside, [(2, 4, 40, 16)], False),
+    (SelfInside, [(2, 4, 40, 16)], False),
+    (ObjectInside, [(2, 4, 40, 16)], False),
     (LayersInside, [(2, 4, 40, 16)], False),
     (DictInside, [(2, 4, 40, 16)], False),
     (RowOfInside, [(2, 4, 40, 16)], False),
