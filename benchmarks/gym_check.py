@@ -112,15 +112,15 @@ def main() -> int:
     n = args.length or (1024 if device.type == "cuda" else 64)
     masks, mods = import_gym(args.gym)
     warnings.simplefilter("ignore")  # (the unfused path's notice on the CPU)
-    failed = 0
-    for name, fns, lengths in cases(masks, mods, n, device):
+    failed, checks = 0, cases(masks, mods, n, device)
+    for name, fns, lengths in checks:
         try:
             ok, line = run(name, fns, lengths, dtype, device)
         except Exception as e:  # a refusal is a failure too: report it and go on
             ok, line = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:24s} {line}", flush=True)
-    print(f"{failed} failed of {len(cases(masks, mods, n, device))} ({dtype}, {device}, {n} tokens)")
+    print(f"{failed} failed of {len(checks)} ({dtype}, {device}, {n} tokens)")
     return 1 if failed else 0
 
 
