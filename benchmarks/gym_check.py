@@ -40,8 +40,9 @@ def import_gym(path: Path):
 
 def cases(masks, mods, n: int, device) -> list[tuple[str, dict, tuple[int, int]]]:
     """(name, {"mask": ..., "score": ...}, (Q_LEN, KV_LEN)) for each function, with arguments that fit n tokens."""
-    side = int(n ** 0.5)
-    cube = round(n ** (1 / 3))
+    # STA needs canvas and kernel to be whole numbers of tiles: a canvas of four tiles, a kernel of two
+    tile_2d, tile_3d = max(1, int(n ** 0.5) // 4), max(1, round(n ** (1 / 3)) // 4)
+    side, cube = 4 * tile_2d, 4 * tile_3d
     frames, prompt = 4, n // 8
     per_frame = (n - prompt) // frames
     images = torch.tensor([[0, n // 3], [n // 4, n // 2], [n // 2, n], [3 * n // 4, n]], device=device)
@@ -54,10 +55,10 @@ def cases(masks, mods, n: int, device) -> list[tuple[str, dict, tuple[int, int]]
         ("dilated_sliding_window", {"mask": masks.generate_dilated_sliding_window(n // 8, 2)}, (n, n)),
         ("prefix_lm", {"mask": masks.generate_prefix_lm_mask(n // 5)}, (n, n)),
         ("batchify_causal", {"mask": masks.batchify_mask_mod(masks.causal_mask, n // 4)}, (n, n)),
-        ("sta_2d", {"mask": masks.generate_sta_mask_mod_2d(canvas_hw=(side, side), kernel_hw=(side // 2, side // 2),
-                                                           tile_hw=(side // 4, side // 4))}, (side * side,) * 2),
-        ("sta_3d", {"mask": masks.generate_sta_mask_mod_3d(canvas_twh=(cube,) * 3, kernel_twh=(cube // 2,) * 3,
-                                                           tile_twh=(cube // 4 or 1,) * 3)}, (cube ** 3,) * 2),
+        ("sta_2d", {"mask": masks.generate_sta_mask_mod_2d(canvas_hw=(side, side), kernel_hw=(2 * tile_2d,) * 2,
+                                                           tile_hw=(tile_2d,) * 2)}, (side * side,) * 2),
+        ("sta_3d", {"mask": masks.generate_sta_mask_mod_3d(canvas_twh=(cube,) * 3, kernel_twh=(2 * tile_3d,) * 3,
+                                                           tile_twh=(tile_3d,) * 3)}, (cube ** 3,) * 2),
         ("svg_spatial", {"mask": masks.generate_spatial_head_mask_mod(prompt_length=prompt, num_frames=frames,
                                                                        token_per_frame=per_frame, round_width=16)},
          (n, n)),
