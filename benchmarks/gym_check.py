@@ -107,6 +107,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on a GPU, fp64 on the CPU")
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default 1024 on a GPU, 64)")
+    parser.add_argument("--only", default=None, help="comma list of case names (default: every case)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp64")]
@@ -114,6 +115,12 @@ def main() -> int:
     masks, mods = import_gym(args.gym)
     warnings.simplefilter("ignore")  # (the unfused path's notice on the CPU)
     failed, checks = 0, cases(masks, mods, n, device)
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {name for name, _, _ in checks}
+        if unknown:
+            parser.error(f"no case named {', '.join(sorted(unknown))}; the cases: {', '.join(c[0] for c in checks)}")
+        checks = [case for case in checks if case[0] in wanted]
     for name, fns, lengths in checks:
         try:
             ok, line = run(name, fns, lengths, dtype, device)
