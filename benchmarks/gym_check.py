@@ -38,6 +38,13 @@ def import_gym(path: Path):
     return masks, mods
 
 
+def gym_module(name: str):
+    """One of attn_gym's modules that its packages' __init__ does not export (jetspec, natten, vsa, graphormer, ...)."""
+    import importlib
+
+    return importlib.import_module(f"attn_gym.{name}")
+
+
 def cases(masks, mods, n: int, device) -> list[tuple[str, dict, tuple[int, int]]]:
     """(name, {"mask": ..., "score": ...}, (Q_LEN, KV_LEN)) for each function, with arguments that fit n tokens."""
     # STA needs canvas and kernel to be whole numbers of tiles: a canvas of four tiles, a kernel of two
@@ -73,6 +80,64 @@ def cases(masks, mods, n: int, device) -> list[tuple[str, dict, tuple[int, int]]
         ("tanh_softcap_approx", {"score": mods.generate_tanh_softcap(30, approx=True)}, (n, n)),
         ("activation_gelu", {"score": mods.generate_activation_score_mod(F.gelu)}, (n, n)),
         ("mla_rope", {"score": mods.generate_mla_rope_score_mod(q_rope, k_rope, num_heads=H)}, (n, n)),
+        *more_cases(n, device, rope),
+    ]
+
+
+def more_cases(n: int, device, table_dtype) -> list[tuple[str, dict, tuple[int, int]]]:
+    """The masks and mods of attention-gym's other modules: documents, block diffusion, Longformer, JetSpec, NATTEN,
+    shared prefixes, VSA and Graphormer, with arguments that fit n tokens."""
+    causal, docs = gym_module("masks.causal"), gym_module("masks.document_mask")
+    gen = torch.Generator().manual_seed(n)
+    lengths = [n // 4, n // 8, 3 * n // 8, n // 16]
+    offsets = docs.length_to_offsets(lengths + [n - sum(lengths)], device)
+    shared_offsets = docs.length_to_offsets([n // 4, n // 8, n // 8, n // 4, n // 4], device)
+    prefix_of = torch.tensor([0, 0, 0, 3, 3], device=device, dtype=torch.int32)  # docs 1, 2 continue 0; 4 continues 3
+    is_global = torch.zeros(n, dtype=torch.bool, device=device)
+    is_global[:: max(1, n // 8)] = True
+    jetspec = gym_module("masks.jetspec")
+    nodes = n // 4
+    tree = jetspec.build_tree_ancestor_matrix([-1] + [(i - 1) // 2 for i in range(1, nodes)], device)
+    block = max(4, n // 64)
+    draft_blocks = (n - n // 4) // block
+    natten = gym_module("masks.natten")
+    side = 1 << (max(1, int(n ** 0.5)).bit_length() - 1)  # (a power of two: the Morton layout's canvas)
+    kernel, tile = (7, side // 4) if side >= 16 else (3, max(1, side // 4))
+    vsa = gym_module("masks.vsa")
+    tile_numel = max(4, n // 16)
+    tiles = n // tile_numel
+    topk = torch.rand(B, H, tiles, tiles, generator=gen).argsort(-1)[..., : max(1, tiles // 4)].to(device)
+    block_map = (torch.rand(B, H, tiles, tiles, generator=gen) < 0.3).to(device)
+    real_tokens = torch.randint(1, tile_numel + 1, (tiles,), generator=gen).to(device, torch.int32)
+    graphormer = gym_module("mods.graphormer")
+    upper = torch.rand(B, n, n, generator=gen).triu(1) < 4.0 / n
+    adjacency = (upper | upper.transpose(1, 2)).to(device)
+    distances = graphormer.shortest_path_distances(adjacency, max_distance=5)
+    edge_types = torch.randint(0, 4, (B, n, n), generator=gen).to(device)
+    path_types, path_lengths = graphormer.shortest_path_edge_types(adjacency, edge_types, max_path_len=3)
+    return [
+        ("document_causal", {"mask": docs.generate_doc_mask_mod(causal.causal_mask, offsets)}, (n, n)),
+        ("packed_causal_documents", {"mask": docs.generate_packed_causal_doc_mask_mod(offsets)}, (n, n)),
+        ("block_diffusion", {"mask": gym_module("masks.block_diffusion").generate_block_diffusion_mask(
+            n // 2, max(1, n // 16))}, (n, n)),
+        ("global_sliding_window", {"mask": gym_module("masks.global_sliding_window").generate_global_sliding_window(
+            n // 16, is_global)}, (n, n)),
+        ("jetspec_tree_causal", {"mask": jetspec.generate_jetspec_tree_causal_mask_mod(n - nodes, tree)}, (nodes, n)),
+        ("jetspec_training", {"mask": jetspec.generate_jetspec_training_mask_mod(n // 4, block)},
+         (draft_blocks * block, n // 4 + draft_blocks * block)),
+        ("natten", {"mask": natten.generate_natten(side, side, kernel, kernel)}, (side * side,) * 2),
+        ("tiled_natten", {"mask": natten.generate_tiled_natten(side, side, kernel, kernel, tile, tile)},
+         (side * side,) * 2),
+        ("morton_natten", {"mask": natten.generate_morton_natten(side, side, kernel, kernel)}, (side * side,) * 2),
+        ("shared_prefix", {"mask": gym_module("masks.shared_prefix").generate_shared_prefix_mask_mod(
+            shared_offsets, prefix_of)}, (n, n)),
+        ("vsa_topk", {"mask": vsa.generate_vsa_mask_mod(topk, tile_numel)}, (n, n)),
+        ("vsa_block_map_padded", {"mask": vsa.generate_vsa_block_map_mask_mod(block_map, tile_numel, real_tokens)},
+         (n, n)),
+        ("graphormer_spatial", {"score": graphormer.generate_graphormer_spatial_bias(
+            torch.randn(H, 7, generator=gen).to(device, table_dtype), distances)}, (n, n)),
+        ("graphormer_edge", {"score": graphormer.generate_graphormer_edge_bias(
+            torch.randn(H, 3, 4, generator=gen).to(device, table_dtype), path_types, path_lengths)}, (n, n)),
     ]
 
 
