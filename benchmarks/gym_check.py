@@ -1,11 +1,12 @@
 """Every mask and score_mod of attention-gym (its own functions, imported from a checkout), through flexgen, against
 PyTorch's own flex_attention in float64 on the same inputs, eager and under torch.compile(fullgraph=True).
 
-    python3 benchmarks/gym_check.py PATH/attention-gym [--device cuda] [--dtype bf16] [--length 1024]
+    python3 benchmarks/gym_check.py PATH/attention-gym [--device cuda] [--dtype bf16] [--length 1024] [--grad]
 
 On a GPU flexgen runs its kernels in bf16 / fp16, and its error against the float64 result may be at most twice
 PyTorch's own eager error in that dtype (plus 1e-3 absolute, for outputs near zero); on the CPU (float64) the two
-must agree to 1e-6. Prints one line per function and exits nonzero if any fails. Its tests are gym_tests.sh's.
+must agree to 1e-6. With --grad the gradients of q, k and v for a random output gradient count too, each as its
+error over its largest element. Prints one line per function and exits nonzero if any fails. Its tests are gym_tests.sh's.
 """
 from __future__ import annotations
 
@@ -141,27 +142,68 @@ def more_cases(n: int, device, table_dtype) -> list[tuple[str, dict, tuple[int, 
     ]
 
 
-def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device) -> tuple[bool, str]:
+def dense_attention(q, k, v, score, mask):
+    """Attention with score_mod and mask_mod applied to the whole score matrix (PyTorch's own vmap over b, h, q_idx,
+    kv_idx, as its create_mask does): the gradients' reference where PyTorch's flex_attention has no backward (the
+    CPU). Rows that see nothing give 0, as flex_attention's do."""
+    batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    idx = [torch.arange(n, device=q.device) for n in (batch, heads, q_len, kv_len)]
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if score is not None:
+        s = torch_flex._vmap_for_bhqkv(score, prefix=(0,))(s, *idx)
+    if mask is not None:
+        s = s.masked_fill(~torch_flex.create_mask(mask, batch, heads, q_len, kv_len, device=q.device), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num()
+    return p @ v
+
+
+def outputs(attend, q, k, v, grad_out):
+    """attend(q, k, v)'s output and, with grad_out, the gradients of (output * grad_out).sum() for q, k and v: all
+    as float64, for comparison."""
+    if grad_out is None:
+        return [attend(q, k, v).double()]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    return [t.double() for t in (out, *grads)]
+
+
+def worst(got: list, gold: list) -> float:
+    """The largest absolute difference over output and gradients (gradients over their own largest value, so that
+    the one limit fits tensors of different scales)."""
+    errors = [(got[0] - gold[0]).abs().max().item()]
+    errors += [((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item() for a, b in zip(got[1:], gold[1:])]
+    return max(errors)
+
+
+def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device, grad: bool = False) -> tuple[bool, str]:
     q_len, kv_len = lengths
     gen = torch.Generator(device=device).manual_seed(len(name))
     q, k, v = (torch.randn(B, H, n, D, generator=gen, device=device, dtype=torch.float64)
                for n in (q_len, kv_len, kv_len))
+    grad_out = torch.randn(B, H, q_len, D, generator=gen, device=device, dtype=torch.float64) if grad else None
     mask, score = fns.get("mask"), fns.get("score")
     theirs = torch_flex.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
     ours = flexgen.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
-    gold = torch_flex.flex_attention(q, k, v, score_mod=score, block_mask=theirs).nan_to_num()
+
+    def pytorch(*qkv):
+        if grad and device.type == "cpu":  # (PyTorch's flex_attention has no backward on the CPU)
+            return dense_attention(*qkv, score, mask)
+        return torch_flex.flex_attention(*qkv, score_mod=score, block_mask=theirs)
+
+    gold = [t.nan_to_num() for t in outputs(pytorch, q, k, v, grad_out)]
     low = [t.to(dtype) for t in (q, k, v)]
     torch._dynamo.reset()
     compiled = torch.compile(flexgen.flex_attention, fullgraph=True)
-    eager_out = flexgen.flex_attention(*low, score_mod=score, block_mask=ours)
-    compiled_out = compiled(*low, score_mod=score, block_mask=ours)
+    results = [outputs(lambda *qkv: fn(*qkv, score_mod=score, block_mask=ours), *low, grad_out)
+               for fn in (flexgen.flex_attention, compiled)]
     if dtype == torch.float64:
         bar, limit = 0.0, 1e-6
     else:  # PyTorch's own error in this dtype
-        bar = (torch_flex.flex_attention(*low, score_mod=score, block_mask=theirs).double() - gold).abs().max().item()
+        bar = worst(outputs(pytorch, *low, grad_out), gold)
         limit = 2 * bar + 1e-3
-    errors = [(out.double() - gold).abs().max().item() for out in (eager_out, compiled_out)]
-    nan = any(out.isnan().any().item() for out in (eager_out, compiled_out))
+    errors = [worst(got, gold) for got in results]
+    nan = any(t.isnan().any().item() for got in results for t in got)
     ok = not nan and max(errors) <= limit
     return ok, f"eager {errors[0]:.2e}  compiled {errors[1]:.2e}  PyTorch {bar:.2e}  limit {limit:.2e}"
 
@@ -173,6 +215,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on a GPU, fp64 on the CPU")
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default 1024 on a GPU, 64)")
     parser.add_argument("--only", default=None, help="comma list of case names (default: every case)")
+    parser.add_argument("--grad", action="store_true",
+                        help="also compare dQ, dK and dV (each relative to its largest element) for a random dO")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp64")]
@@ -188,12 +232,12 @@ def main() -> int:
         checks = [case for case in checks if case[0] in wanted]
     for name, fns, lengths in checks:
         try:
-            ok, line = run(name, fns, lengths, dtype, device)
+            ok, line = run(name, fns, lengths, dtype, device, args.grad)
         except Exception as e:  # a refusal is a failure too: report it and go on
             ok, line = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:24s} {line}", flush=True)
-    print(f"{failed} failed of {len(checks)} ({dtype}, {device}, {n} tokens)")
+    print(f"{failed} failed of {len(checks)} ({dtype}, {device}, {n} tokens{', with gradients' if args.grad else ''})")
     return 1 if failed else 0
 
 
