@@ -150,7 +150,7 @@ def dense_attention(q, k, v, score, mask):
     idx = [torch.arange(n, device=q.device) for n in (batch, heads, q_len, kv_len)]
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if score is not None:
-        s = torch_flex._vmap_for_bhqkv(score, prefix=(0,))(s, *idx)
+        s = torch_flex._vmap_for_bhqkv(score, prefix=(0,))(s, *idx).to(s.dtype)  # (a float64 table: not wider)
     if mask is not None:
         s = s.masked_fill(~torch_flex.create_mask(mask, batch, heads, q_len, kv_len, device=q.device), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num()
