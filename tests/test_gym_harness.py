@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 MASKS = '''from torch.nn.attention.flex_attention import _mask_mod_signature, or_masks
@@ -82,3 +84,31 @@ def test_gym_check_imports_masks_without_the_package_init(tmp_path):
         for name in [n for n in sys.modules if n.startswith("attn_gym")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_gym_check_dense_reference_is_pytorchs_flex_attention():
+    """gym_check --grad's gradient reference on the CPU (where PyTorch's flex_attention has no backward): its forward
+    is PyTorch's flex_attention in float64, a row that sees nothing included, and it has gradients."""
+    import torch
+    from torch.nn.attention import flex_attention as torch_flex
+
+    spec = importlib.util.spec_from_file_location("gym_check", BENCH / "gym_check.py")
+    gym_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gym_check)
+    slopes = torch.rand(3, dtype=torch.float64)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + slopes[h] * (kv_idx - q_idx)
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx != 5)  # row 5 sees nothing
+
+    q, k, v = (torch.randn(2, 3, 40, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    want = torch_flex.flex_attention(q.detach(), k.detach(), v.detach(), score_mod=score,
+                                     block_mask=torch_flex.create_block_mask(mask, 2, 3, 40, 40, device="cpu"))
+    got = gym_check.dense_attention(q, k, v, score, mask)
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-12)
+    assert torch.count_nonzero(got[:, :, 5]) == 0
+    got.square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
