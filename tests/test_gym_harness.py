@@ -72,10 +72,16 @@ def test_gym_tests_runs_the_copied_tests_against_flexgen(tmp_path):
     assert "from flexgen import _mask_mod_signature, or_masks" in (out / "attn_gym/masks/__init__.py").read_text()
 
 
-def test_gym_check_imports_masks_without_the_package_init(tmp_path):
+def _gym_check():
+    """benchmarks/gym_check.py as a module (it is a script, not part of the package)."""
     spec = importlib.util.spec_from_file_location("gym_check", BENCH / "gym_check.py")
-    gym_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gym_check)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gym_check_imports_masks_without_the_package_init(tmp_path):
+    gym_check = _gym_check()
     saved = {name: module for name, module in sys.modules.items() if name.startswith("attn_gym")}
     try:
         masks, mods = gym_check.import_gym(_checkout(tmp_path))
@@ -93,9 +99,7 @@ def test_gym_check_dense_reference_is_pytorchs_flex_attention():
     import torch
     from torch.nn.attention import flex_attention as torch_flex
 
-    spec = importlib.util.spec_from_file_location("gym_check", BENCH / "gym_check.py")
-    gym_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gym_check)
+    gym_check = _gym_check()
     slopes = torch.rand(3, dtype=torch.float64)
 
     def score(s, b, h, q_idx, kv_idx):
