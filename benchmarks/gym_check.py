@@ -4,14 +4,17 @@ PyTorch's own flex_attention in float64 on the same inputs, eager and under torc
     python3 benchmarks/gym_check.py PATH/attention-gym [--device cuda] [--dtype bf16] [--length 1024] [--grad]
 
 On a GPU flexgen runs its kernels in bf16 / fp16, and its error against the float64 result may be at most twice
-PyTorch's own eager error in that dtype (plus 1e-3 absolute, for outputs near zero); on the CPU (float64) the two
-must agree to 1e-6. With --grad the gradients of q, k and v for a random output gradient count too, each as its
-error over its largest element. Prints one line per function and exits nonzero if any fails. Its tests are gym_tests.sh's.
+PyTorch's own eager error in that dtype (its compiled one where its eager path refuses the case; plus 1e-3 absolute,
+for outputs near zero); on the CPU (float64) the two must agree to 1e-6. With --grad the gradients of q, k and v for
+a random output gradient count too, each as its error over its largest element, against a dense float64 reference
+(dense_attention). A case that raises fails, named by the call that raised, with its traceback on stderr. Prints
+one line per function and exits nonzero if any fails. Its tests are gym_tests.sh's.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 import types
 import warnings
 from pathlib import Path
@@ -144,8 +147,7 @@ def more_cases(n: int, device, table_dtype) -> list[tuple[str, dict, tuple[int, 
 
 def dense_attention(q, k, v, score, mask):
     """Attention with score_mod and mask_mod applied to the whole score matrix (PyTorch's own vmap over b, h, q_idx,
-    kv_idx, as its create_mask does): the gradients' reference where PyTorch's flex_attention has no backward (the
-    CPU). Rows that see nothing give 0, as flex_attention's do."""
+    kv_idx, as its create_mask does): the gradients' reference. Rows that see nothing give 0, as flex_attention's do."""
     batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     idx = [torch.arange(n, device=q.device) for n in (batch, heads, q_len, kv_len)]
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
@@ -176,6 +178,21 @@ def worst(got: list, gold: list) -> float:
     return max(errors)
 
 
+class StageFailed(Exception):
+    """A case's call that raised, named: the float64 reference, PyTorch's low-precision run, or flexgen's."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
+
+
+def at_stage(stage: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise StageFailed(stage) from e
+
+
 def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device, grad: bool = False) -> tuple[bool, str]:
     q_len, kv_len = lengths
     gen = torch.Generator(device=device).manual_seed(len(name))
@@ -191,21 +208,38 @@ def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device, grad: boo
             return dense_attention(*qkv, score, mask)
         return torch_flex.flex_attention(*qkv, score_mod=score, block_mask=theirs)
 
-    gold = [t.nan_to_num() for t in outputs(pytorch, q, k, v, grad_out)]
+    def pytorch_compiled(*qkv):
+        torch._dynamo.reset()
+        return torch.compile(torch_flex.flex_attention, fullgraph=True)(*qkv, score_mod=score, block_mask=theirs)
+
+    def dense(*qkv):
+        return dense_attention(*qkv, score, mask)
+
+    # The float64 gold: PyTorch's flex_attention, or for gradients the dense reference (PyTorch's flex_attention has
+    # no backward on the CPU, and its eager backward cannot vmap every score_mod, e.g. an autograd.Function's).
+    gold = [t.nan_to_num() for t in at_stage("float64 reference", outputs, dense if grad else pytorch, q, k, v,
+                                            grad_out)]
     low = [t.to(dtype) for t in (q, k, v)]
     torch._dynamo.reset()
     compiled = torch.compile(flexgen.flex_attention, fullgraph=True)
-    results = [outputs(lambda *qkv: fn(*qkv, score_mod=score, block_mask=ours), *low, grad_out)
-               for fn in (flexgen.flex_attention, compiled)]
+    results = [at_stage(f"flexgen {label}", outputs, lambda *qkv: fn(*qkv, score_mod=score, block_mask=ours), *low,
+                        grad_out)
+               for label, fn in (("eager", flexgen.flex_attention), ("compiled", compiled))]
+    bar_from = ""
     if dtype == torch.float64:
         bar, limit = 0.0, 1e-6
-    else:  # PyTorch's own error in this dtype
-        bar = worst(outputs(pytorch, *low, grad_out), gold)
+    else:  # PyTorch's own error in this dtype (compiled where its eager path cannot take the case)
+        try:
+            bar = worst(outputs(pytorch, *low, grad_out), gold)
+        except Exception:
+            bar = worst(at_stage("PyTorch compiled", outputs, pytorch_compiled, *low, grad_out), gold)
+            bar_from = " (compiled)"
         limit = 2 * bar + 1e-3
     errors = [worst(got, gold) for got in results]
     nan = any(t.isnan().any().item() for got in results for t in got)
     ok = not nan and max(errors) <= limit
-    return ok, f"eager {errors[0]:.2e}  compiled {errors[1]:.2e}  PyTorch {bar:.2e}  limit {limit:.2e}"
+    return ok, (f"eager {errors[0]:.2e}  compiled {errors[1]:.2e}  PyTorch{bar_from} {bar:.2e}  limit {limit:.2e}"
+                f"{'  NaN' if nan else ''}")
 
 
 def main() -> int:
@@ -233,8 +267,11 @@ def main() -> int:
     for name, fns, lengths in checks:
         try:
             ok, line = run(name, fns, lengths, dtype, device, args.grad)
-        except Exception as e:  # a refusal is a failure too: report it and go on
-            ok, line = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        except Exception as e:  # a refusal is a failure too: report it (where, and its traceback) and go on
+            cause = e.__cause__ if isinstance(e, StageFailed) else e
+            where = f"{e.stage}: " if isinstance(e, StageFailed) else ""
+            ok, line = False, f"{where}{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}"
+            traceback.print_exception(cause, file=sys.stderr)
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:24s} {line}", flush=True)
     print(f"{failed} failed of {len(checks)} ({dtype}, {device}, {n} tokens{', with gradients' if args.grad else ''})")

@@ -94,7 +94,7 @@ def test_gym_check_imports_masks_without_the_package_init(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_gym_check_dense_reference_is_pytorchs_flex_attention():
-    """gym_check --grad's gradient reference on the CPU (where PyTorch's flex_attention has no backward): its forward
+    """gym_check --grad's gradient reference (PyTorch's flex_attention has no backward on the CPU): its forward
     is PyTorch's flex_attention in float64, a row that sees nothing included, and it has gradients."""
     import torch
     from torch.nn.attention import flex_attention as torch_flex
@@ -116,3 +116,18 @@ def test_gym_check_dense_reference_is_pytorchs_flex_attention():
     assert torch.count_nonzero(got[:, :, 5]) == 0
     got.square().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_gym_check_names_the_call_that_raised():
+    """A case whose call raises is reported with the call's name (the float64 reference, PyTorch's or flexgen's run)
+    and the original error as its cause, not as an anonymous failure."""
+    gym_check = _gym_check()
+
+    def refuse(x):
+        raise ValueError(f"cannot take {x}")
+
+    with pytest.raises(gym_check.StageFailed) as raised:
+        gym_check.at_stage("flexgen compiled", refuse, 3)
+    assert raised.value.stage == "flexgen compiled"
+    assert isinstance(raised.value.__cause__, ValueError) and "cannot take 3" in str(raised.value.__cause__)
+    assert gym_check.at_stage("float64 reference", lambda x: x + 1, 3) == 4
