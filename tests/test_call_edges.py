@@ -345,6 +345,25 @@ def test_pytorch_options_are_ignored_with_one_warning_per_name(monkeypatch):
         call_options(given)  # warned once per process already
 
 
+def test_pass_prefixes_set_their_pass_tile_over_the_plain_name(monkeypatch):
+    """Newer PyTorch's fwd_ / bwd_ prefixes: fwd_BLOCK_M is the forward's BLOCK_M, bwd_BLOCK_M1 the backward's
+    BLOCK_M1, each winning over the plain name whatever the order; Triton's prefixed knobs are ignored."""
+    monkeypatch.setattr(warnings_once, "_seen", set())
+    with pytest.warns(UserWarning) as record:
+        got = call_options({"fwd_BLOCK_M": 64, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_N1": 32, "bwd_BLOCK_N1": 128,
+                            "bwd_BLOCK_M1": 64, "bwd_BLOCK_M2": 32, "fwd_num_stages": 3})
+    assert got == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 128}
+    assert sorted(str(w.message).split("'")[1] for w in record) == ["BLOCK_M2", "fwd_num_stages"]
+    with pytest.raises(OptionError, match="BLOCK_M=0; it must be a positive int"):
+        call_options({"fwd_BLOCK_M": 0})
+
+
+@pytest.mark.parametrize("wrong", ["fwd_BLOCK_M1", "bwd_BLOCK_M", "fwd_deterministic", "bwd_family"])
+def test_a_prefix_takes_only_its_own_pass_tile(wrong):
+    with pytest.raises(OptionError, match=f"'{wrong}': the {wrong[:3]}_ prefix takes {wrong[:3]}_BLOCK_"):
+        call_options({wrong: 64})
+
+
 def test_pytorch_options_pass_through_flex_attention(monkeypatch):
     monkeypatch.setattr(warnings_once, "_seen", set())
     q = meta(B, H, L, D)

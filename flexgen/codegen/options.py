@@ -136,18 +136,41 @@ def _check_backend(options: dict) -> None:
         raise ValueError(f"flex_attention: Invalid BACKEND value {options['BACKEND']!r}. Must be one of {TORCH_BACKENDS}")
 
 
+# PyTorch's pass prefixes: fwd_X sets X for the forward only, bwd_X for the backward only, over an unprefixed X.
+# flexgen's tile names already say their pass (BLOCK_M / BLOCK_N the forward's, BLOCK_M1 / BLOCK_N1 / num_warps1
+# the backward's), so a prefix may only name its own pass's tile (or an option flexgen ignores: the prefixed
+# num_warps / num_stages are Triton's, as TORCH_IGNORED says).
+_PREFIXED = {"fwd": ("BLOCK_M", "BLOCK_N"), "bwd": (*CALL_BWD_TILES, "BLOCK_M2", "BLOCK_N2")}
+
+
+def _unprefixed(options: dict) -> dict:
+    """options with fwd_ / bwd_ names resolved to flexgen's, the prefixed value winning over a plain one."""
+    out = {name: value for name, value in options.items()
+           if not (isinstance(name, str) and name[:4] in ("fwd_", "bwd_") and name not in TORCH_IGNORED)}
+    for name, value in options.items():
+        if name in out or name in TORCH_IGNORED:
+            continue
+        pass_, base = name[:3], name[4:]
+        if base not in _PREFIXED[pass_]:
+            raise OptionError(f"flex_attention: kernel_options {name!r}: the {pass_}_ prefix takes "
+                              f"{', '.join(pass_ + '_' + n for n in _PREFIXED[pass_])} (the "
+                              f"{'forward' if pass_ == 'fwd' else 'backward'}'s tile under PyTorch's names)")
+        out[base] = value
+    return out
+
+
 def call_options(options: dict | None) -> dict:
     """flex_attention's kernel_options checked: a name flexgen does not know is an error (with the closest
     name), a flag must be True or False (the string "False" is not), a tile value a positive int, family
-    one of the families. PyTorch's names that flexgen ignores are dropped with a warning, once per name.
-    Returns the options flexgen uses."""
+    one of the families. PyTorch's fwd_ / bwd_ prefixes are taken for their pass's tile names. PyTorch's names
+    that flexgen ignores are dropped with a warning, once per name. Returns the options flexgen uses."""
     if options is None:
         return {}
     if not isinstance(options, dict):
         raise TypeError(f"flex_attention: kernel_options must be a dict, got {type(options).__name__}")
     _check_backend(options)
     out = {}
-    for name, value in options.items():
+    for name, value in _unprefixed(options).items():
         if name in TORCH_IGNORED:
             warn_once(f"flex_attention: kernel_options {name!r} is a PyTorch (Triton) option flexgen's kernels have "
                       "no use for; it is ignored", stacklevel=3)
