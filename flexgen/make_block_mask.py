@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import blockmask_validate as check
-from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, block_mask_of, default_device, reads_batch_heads
+from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, block_mask_of, default_device, dense_to_lists, reads_batch_heads
 from .dsl.api import as_mask_mod
 from .dynamo_marks import assume_constant_result
 
@@ -28,6 +28,9 @@ def create_block_mask(
     device: str | torch.device | None = None,
     BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     _compile: bool = False,
+    separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
 ) -> BlockMask:
     """Block mask for `mask_mod` (a plain FlexAttention-style function, a flexgen Mod or text).
 
@@ -35,8 +38,16 @@ def create_block_mask(
     (causal, windows, prefixes: no element is evaluated); the rest are evaluated on
     `device`, a chunk of tiles at a time. B or H of None broadcasts (size 1). device=None
     picks as PyTorch does: the current accelerator (CUDA), else the CPU.
+    separate_full_blocks=False lists every visited block as partial (mask_mod applied everywhere), as PyTorch's
+    does; inside a compiled region the lists stay separate (the same attention). compute_dq_write_order and
+    dq_kv_order are PyTorch's metadata for its FLASH backend's deterministic backward, which flexgen's
+    deterministic backward does not need: checked and accepted, the mask carries none.
     """
     where = "create_block_mask"
+    for name, value in (("separate_full_blocks", separate_full_blocks),
+                        ("compute_dq_write_order", compute_dq_write_order), ("dq_kv_order", dq_kv_order)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {name} must be a bool (True or False), got {value!r}")  # (as PyTorch)
     if torch.compiler.is_compiling():  # the lists from a custom op, so that a compiled graph holds them
         return _traced_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, check.block_size(BLOCK_SIZE, where))
     for name, value in (("B", B), ("H", H)):
@@ -47,7 +58,17 @@ def create_block_mask(
     bq, bkv = check.block_size(BLOCK_SIZE, where)
     mod = as_mask_mod(mask_mod)
     device = default_device() if device is None else torch.device(device)
-    return block_mask_of(mod, B or 1, H or 1, Q_LEN, KV_LEN, bq, bkv, device)._broadcast_to(B or 1, H or 1)
+    mask = block_mask_of(mod, B or 1, H or 1, Q_LEN, KV_LEN, bq, bkv, device)
+    if not separate_full_blocks:
+        mask = _full_blocks_as_partial(mask)
+    return mask._broadcast_to(B or 1, H or 1)
+
+
+def _full_blocks_as_partial(mask: BlockMask) -> BlockMask:
+    """The mask with no full lists: every visited block listed as partial, in block order."""
+    counts, indices = dense_to_lists(mask.to_dense().bool())
+    return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
+                                    seq_lengths=mask.seq_lengths)
 
 
 LIST_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",

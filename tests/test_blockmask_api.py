@@ -532,3 +532,29 @@ def test_constructor_defaults_as_pytorch():
         got = flexgen.flex_attention(q, k, v, block_mask=mask)
     assert not got.isnan().any()
     assert (got - _dense_attention(q, k, v, keep)).abs().max().item() < 1e-10
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("mask_mod", [causal, per_head_window])
+def test_separate_full_blocks_false_lists_every_block_as_partial_as_pytorch(mask_mod):
+    """separate_full_blocks=False: no full lists, every visited block among the partial ones, in the layout PyTorch's
+    create_block_mask gives; the attention is the same as with the lists separate."""
+    if "separate_full_blocks" not in inspect.signature(fa.create_block_mask).parameters:
+        pytest.skip("the installed PyTorch's create_block_mask has no separate_full_blocks")
+    ours = create_block_mask(mask_mod, 2, 3, 300, 340, device="cpu", separate_full_blocks=False)
+    theirs = fa.create_block_mask(mask_mod, 2, 3, 300, 340, device="cpu", separate_full_blocks=False)
+    assert ours.full_kv_num_blocks is None and ours.full_q_num_blocks is None
+    for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=0, atol=0)
+    q, k, v = (torch.randn(2, 3, n, 32, dtype=torch.float64) for n in (300, 340, 340))
+    separate = create_block_mask(mask_mod, 2, 3, 300, 340, device="cpu")
+    assert separate.full_kv_num_blocks is not None
+    torch.testing.assert_close(flexgen.flex_attention(q, k, v, block_mask=ours),
+                               flexgen.flex_attention(q, k, v, block_mask=separate), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["separate_full_blocks", "compute_dq_write_order", "dq_kv_order"])
+def test_create_block_mask_flags_must_be_bools(name):
+    with pytest.raises(ValueError, match=f"{name} must be a bool"):
+        create_block_mask(causal, 1, 1, 128, 128, device="cpu", **{name: torch.tensor([1, 0])})
+    create_block_mask(causal, 1, 1, 128, 128, device="cpu", **{name: False})  # accepted
