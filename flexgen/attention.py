@@ -50,8 +50,9 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flex_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:  # (as PyTorch's flex_attention, which dropped them)
-            raise NotImplementedError(f"flex_attention: {name} is a NestedTensor; flex_attention takes dense (B, H, L, D) "
-                                      "tensors: pack the sequences into one and mask across them (a document mask)")
+            raise NotImplementedError(f"flex_attention does not support NestedTensor inputs ({name} is one): it takes "
+                                      "dense (B, H, L, D) tensors; pack the sequences into one and mask across them "
+                                      "(a document mask)")
         if t.dim() != 4:
             raise ValueError(f"flex_attention: {name} must have shape (B, H, L, D), got {tuple(t.shape)}")
     if query.device.type not in ("cuda", "meta", "cpu"):  # meta: shapes only (the ops' fake kernels)

@@ -74,12 +74,17 @@ def check_grid(batch: int, heads: int) -> None:
             )
 
 
+class BlockMaskLengthError(ValueError, RuntimeError):
+    """A block mask made for other sequence lengths than the call's: a ValueError as flexgen raises bad arguments,
+    and a RuntimeError as newer PyTorch raises this one."""
+
+
 def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
     """The mask's (Q_LEN, KV_LEN), B and H against the inputs', and its device."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if tuple(seq_lengths) != (q_len, kv_len):
         shape = (*kv_num_blocks.shape[:2], *seq_lengths)
-        raise ValueError(
+        raise BlockMaskLengthError(
             f"flex_attention: block_mask was created for block_mask.shape={shape} but got q_len={q_len} and "
             f"kv_len={kv_len}: it was built for (Q_LEN, KV_LEN) = {tuple(seq_lengths)}; build it with "
             f"create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
