@@ -138,9 +138,13 @@ def buffer_paths(fn, tensors) -> tuple:
 
 def path_to(fn, tensor: torch.Tensor) -> tuple | None:
     """find_path's path to `tensor`, or to the tensor it is a view of by leading integer indices (`bias[0][b, h]` reads a
-    view that bias[0] made while the function was traced; the path ends in that index)."""
+    view that bias[0] made while the function was traced; the path ends in that index), or to the tensor it is a
+    detached alias of (`temp.detach()` inside the function: the path ends in a detach)."""
     path = find_path(fn, tensor, 0, set())
     base = getattr(tensor, "_base", None)
+    if path is None and base is None and not tensor.requires_grad:
+        path = find_path(fn, tensor, 0, set(), match=lambda child: _detached_from(tensor, child))
+        return None if path is None else path + (("detach", None),)
     if path is not None or base is None:
         return path
     index = _leading_index(base, tensor)
@@ -166,13 +170,22 @@ def _leading_index(base: torch.Tensor, view: torch.Tensor) -> tuple[int, ...] | 
     return tuple(index) if offset == 0 else None
 
 
+def _same_elements(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride())
+
+
+def _detached_from(alias: torch.Tensor, tensor) -> bool:
+    """alias is tensor.detach(): the same elements, tensor tracking gradients and alias not."""
+    return tensor is not alias and isinstance(tensor, torch.Tensor) and tensor.requires_grad and \
+        _same_elements(alias, tensor)
+
+
 def _same_tensor(a, b) -> bool:
-    """b is a, or (a path ending in an index) a view of the same elements."""
+    """b is a, or (a path ending in an index or a detach) a view or alias of the same elements."""
     if a is b:
         return True
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a._base is not None
-            and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride())
+    return _same_elements(a, b) and (a._base is not None or not a.requires_grad)
 
 
 # buffer_paths, or once dynamo is loaded (keep_path_search_out_of_traces) the same never traced: where a compiled
@@ -254,9 +267,11 @@ def _may_hold_tensors(obj) -> bool:
     return callable(obj) or isinstance(obj, (Mod, torch.nn.Module, tuple, list, dict)) or is_plain_object(obj)
 
 
-def find_path(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:
-    """The steps from obj to target, breadth first (the shortest path), at most _PATH_DEPTH deep."""
-    if obj is target:
+def find_path(obj, target: torch.Tensor, depth: int, seen: set, match=None) -> tuple | None:
+    """The steps from obj to target (or to the first object `match` accepts), breadth first (the shortest path), at
+    most _PATH_DEPTH deep."""
+    found = match or (lambda child: child is target)
+    if found(obj):
         return ()
     level = [(obj, ())]
     seen.add(id(obj))
@@ -266,7 +281,7 @@ def find_path(obj, target: torch.Tensor, depth: int, seen: set) -> tuple | None:
             if isinstance(parent, (torch.Tensor, type)):
                 continue
             for step, child in _children(parent):
-                if child is target:
+                if found(child):
                     return path + (step,)
                 if id(child) not in seen and _may_hold_tensors(child):
                     seen.add(id(child))
@@ -300,6 +315,8 @@ def follow(obj, path: tuple):
             obj = obj.__defaults__[arg]
         elif kind == "kwdefault":
             obj = obj.__kwdefaults__[arg]
+        elif kind == "detach":
+            obj = obj.detach()
         else:
             obj = getattr(obj, arg)
     return obj

@@ -346,7 +346,7 @@ def _capture_closure(ctx) -> None:
 def _followable(path: tuple | None) -> bool:
     """Whether _follow_captured takes the path: closure cells, a partial's parts, items and attributes, or a global
     first."""
-    return path is not None and all(kind in ("closure", "item", "attr", "partial_arg", "partial_kw") or
+    return path is not None and all(kind in ("closure", "item", "attr", "partial_arg", "partial_kw", "detach") or
                                     (kind == "global" and n == 0) for n, (kind, _) in enumerate(path))
 
 
@@ -391,6 +391,8 @@ def _follow_captured(captured, path: tuple):
             obj = getattr(GLOBAL_MODULES[module], arg)
         elif partial and kind in ("attr", "partial_arg", "partial_kw"):
             obj = obj[1] if kind == "attr" else obj[2][arg] if kind == "partial_arg" else obj[3][arg]
+        elif kind == "detach":
+            obj = obj.detach()
         elif kind == "item" or (kind == "closure" and isinstance(obj, tuple)):
             obj = obj[arg]
         elif kind == "closure":  # (a function made outside, which dynamo reads as it is)

@@ -167,3 +167,51 @@ def test_nested_closure_made_inside_the_compiled_function_traces_whole():
     buffers = node.args[11]
     assert len(buffers) == 1 and buffers[0].op == "placeholder"
     assert buffers[0].meta["example_value"].shape == pad.shape
+
+
+class _Temperature(nn.Module):
+    """A score_mod made in forward over a parameter it reads detached (no gradient for it) or as it is."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+        self.detach = detach
+
+    def forward(self, q, k, v):
+        temp = self.temp
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + temp.detach() * (q_idx - kv_idx) if self.detach else score * temp + temp
+
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_parameter_detached_inside_the_score_mod_is_reached_and_gets_no_gradient(detach):
+    """temp.detach() inside the score_mod makes a new tensor while it is traced: its path is the parameter's and a
+    detach, so compiled calls read the parameter's current value, and no gradient reaches it (as in eager)."""
+    torch.manual_seed(0)
+    leaves = [torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    eager, compiled_module = _Temperature(detach), _Temperature(detach)
+    torch._dynamo.reset()
+    run = torch.compile(compiled_module, backend="aot_eager")
+    for step in range(2):  # the second call after the parameter changed: no stale value
+        want, got = eager(*leaves), run(*copies)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        grad = torch.randn_like(want)
+        want.backward(grad)
+        got.backward(grad)
+        for a, b in zip(copies, leaves):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+        if detach:
+            assert eager.temp.grad is None and compiled_module.temp.grad is None
+        else:
+            # (a buffer's gradient is summed in float32 by the kernels' reduction)
+            torch.testing.assert_close(compiled_module.temp.grad, eager.temp.grad, rtol=1e-6, atol=0)
+        with torch.no_grad():
+            for m in (eager, compiled_module):
+                m.temp.add_(0.5)
+    # eager reuse: the traced Mod is found again along the detach path, not retraced with a stale tensor
+    assert _Temperature(detach)(*leaves).isfinite().all()
