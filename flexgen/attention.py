@@ -15,6 +15,7 @@ from .blockmask import LARGE_BLOCK_SIZE, BlockMask, sliced_mask_mod
 from .blockmask_follow import adopt_if_lists_follow
 from .cache.paths import background_compile
 from .codegen.options import call_options
+from .compiled_options import constant_options
 from .codegen.spec import HEAD_DIMS
 from .dynamo_marks import assume_constant_result
 from .runtime.call_checks import (UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, hand_made_blocks_reason,
@@ -264,6 +265,8 @@ def flex_attention(
                       "return_aux=AuxRequest(lse=True)", FutureWarning, stacklevel=2)
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise TypeError(f"flex_attention: return_aux must be an AuxRequest, got {type(return_aux).__name__}")
+    if kernel_options and torch.compiler.is_compiling():
+        kernel_options = constant_options(kernel_options)
     kernel_options = dict(_checked_options(kernel_options))
     key, value = _broadcast_kv_batch(query, key, value)
     reason = unfused_reason(query, value)

@@ -916,3 +916,37 @@ def test_compiled_create_block_mask_over_a_partial_reading_a_buffer_by_batch():
         made = build(mod, B=3, H=None, Q_LEN=300, KV_LEN=300, device="cpu")
         assert torch.equal(made.to_dense(), flexgen.create_block_mask(mod, 3, None, 300, 300, device="cpu").to_dense())
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dynamic_true_takes_kernel_options_ints_as_their_values():
+    """dynamic=True makes the ints of the kernel_options dict symbolic; each is taken as its value, guarded: another
+    value compiles again (its own kernel), a bad one is still refused, and two calls in one graph keep their own."""
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = (torch.randn(1, 2, 128, 16, dtype=torch.float64) for _ in range(3))
+    want = flexgen.flex_attention(q, k, v)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    call = torch.compile(flexgen.flex_attention, backend=counter, fullgraph=True, dynamic=True)
+    for tile in (64, 64, 128):
+        got = call(q, k, v, kernel_options={"BLOCK_M": tile, "BLOCK_N": 64, "precise_math": True})
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert counter.frame_count == 2
+    with pytest.raises(Exception, match="BLOCK_M=0; it must be a positive int"):
+        call(q, k, v, kernel_options={"BLOCK_M": 0, "BLOCK_N": 64, "precise_math": True})
+
+    seen = []
+    original = flexgen.attention._checked_options
+
+    def two_calls(q, k, v):
+        return (flexgen.flex_attention(q, k, v, kernel_options={"BLOCK_M": 32}) +
+                flexgen.flex_attention(q, k, v, kernel_options={"BLOCK_M": 128}))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flexgen.attention, "_checked_options",
+                      lambda options: seen.append(dict(options)) or original(options))
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(two_calls, fullgraph=True, dynamic=True)(q, k, v), 2 * want,
+                                   rtol=0, atol=1e-12)
+    assert {"BLOCK_M": 32} in seen and {"BLOCK_M": 128} in seen
