@@ -28,6 +28,7 @@ import torch
 
 from .captures import GLOBAL_MODULES, buffer_paths, follow, is_plain_object, path_to, plain_values, traced
 from .dynamo_marks import assume_constant_result
+from .warnings_once import warn_once_key
 
 
 def _for_ident(func, ident: tuple):
@@ -61,8 +62,9 @@ def _plain_value_paths(func, owner) -> tuple:
 
 
 @assume_constant_result
-def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
-    """For each buffer of the function's Mod, how to reach the tensor from it (see follow)."""
+def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple | None:
+    """For each buffer of the function's Mod, how to reach the tensor from it (see follow); None where a buffer is
+    none of the tensors it reaches (one it computed while traced, `torch.log(mass[0])`): that call runs eagerly."""
     fn = _bound(_for_ident(func, ident), owner)
     mod = traced(fn, kind)
     if mod is None:
@@ -71,11 +73,14 @@ def _buffer_paths(kind: str, func, owner, ident: tuple) -> tuple:
     for name, tensor in zip(mod.buffer_names, mod.buffer_tensors):
         path = path_to(fn, tensor)
         if path is None:
-            raise RuntimeError(
-                f"flex_attention under torch.compile: cannot find where {kind}_mod {mod.name!r} keeps its tensor "
-                f"'{name}' (closures, nested closures, defaults, partials, tuples, globals, attributes); pass the variant as a flexgen Mod, e.g. "
-                f"flexgen.{kind}_mod(fn), built outside the compiled function"
-            )
+            warn_once_key(
+                f"unreachable buffer {kind} {mod.name} {name}",
+                f"flex_attention under torch.compile: {kind}_mod {mod.name!r} reads a tensor '{name}' that is none "
+                "of the tensors it captures (closures, nested closures, defaults, partials, tuples, globals, "
+                "attributes), such as one it computes from them, so this call runs eagerly (a graph break); compute "
+                f"it outside the {kind}_mod, or pass the variant as a flexgen Mod (flexgen.{kind}_mod(fn)) built "
+                "outside the compiled function", stacklevel=2)
+            return None
         paths.append(path)
     return tuple(paths)
 
@@ -528,6 +533,8 @@ def compiled_parts(fn, kind: str, device):
         ident += (("values", _written_at_trace_time("values", site)),)
     token = _function_token(kind, func, owner, ident)
     paths = _buffer_paths(kind, func, owner, ident)
+    if paths is None:
+        return None  # (flex_attention runs it through the eager fallback)
     global_values = ()
     comptime(_read_globals)  # (sets `global_values`: each path's global, with a source, for a global path)
     return token, _buffers_along(fn, paths, global_values, device)

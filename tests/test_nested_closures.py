@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import pytest
 import torch
@@ -215,3 +216,28 @@ def test_a_parameter_detached_inside_the_score_mod_is_reached_and_gets_no_gradie
                 m.temp.add_(0.5)
     # eager reuse: the traced Mod is found again along the detach path, not retraced with a stale tensor
     assert _Temperature(detach)(*leaves).isfinite().all()
+
+
+def test_a_tensor_the_score_mod_computes_while_traced_runs_eagerly_under_compile(monkeypatch):
+    """torch.log(mass[0]) inside the score_mod is a tensor made while it is traced, none of those it captures: a
+    compiled call cannot hand it over, so it runs eagerly (a graph break, with one warning saying why) and gives
+    eager's result; under fullgraph=True it is an error."""
+    from flexgen import warnings_once
+
+    monkeypatch.setattr(warnings_once, "_WARNINGS_SHOWN", set())
+    mass = torch.tensor([2.0, 3.0], dtype=torch.float64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + torch.log(mass[0]) * (q_idx - kv_idx)
+
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=torch.float64) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the CPU's unfused-path notice)
+        want = flexgen.flex_attention(q, k, v, score_mod=score_mod)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"reads a tensor 'buf\w*' that is none of the tensors it captures"):
+        got = torch.compile(flexgen.flex_attention)(q, k, v, score_mod=score_mod)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(flexgen.flex_attention, fullgraph=True)(q, k, v, score_mod=score_mod)
