@@ -15,8 +15,8 @@ from .blockmask import LARGE_BLOCK_SIZE, BlockMask, sliced_mask_mod
 from .blockmask_follow import adopt_if_lists_follow
 from .cache.paths import background_compile
 from .codegen.options import call_options
-from .compiled_options import constant_options
 from .codegen.spec import HEAD_DIMS
+from .compiled_options import constant_options
 from .dynamo_marks import assume_constant_result
 from .runtime.call_checks import (UNFUSED_DTYPES, check_block_mask_shape, check_grid, check_scale, hand_made_blocks_reason,
                                   unfused_notice, unfused_reason)
