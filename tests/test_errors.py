@@ -218,6 +218,15 @@ def test_buffers_on_different_devices(monkeypatch):
     assert "same device" in message and message.startswith("Buffers cannot be created across devices")
 
 
+def test_a_scalar_buffer_goes_with_any_device(monkeypatch):
+    """A 0-dim tensor mixes with tensors of another device, as in PyTorch's own ops (a module's 0-dim CUDA buffer
+    beside a CPU table, or the CPU scalar that stands for an integer while a compiled function is traced)."""
+    monkeypatch.setattr(trace_module, "BUFFER_DEVICES", ("cpu", "cuda", "meta"))
+    table, scale = torch.zeros(4), torch.zeros((), device="meta")
+    mod = flexgen.score_mod(lambda s, b, h, q, kv: s * scale + table[h])
+    assert sorted(t.device.type for t in mod.buffer_tensors) == ["cpu", "meta"]
+
+
 # ---------------------------------------------------------------- return types
 
 

@@ -14,8 +14,9 @@ import torch.nn as nn
 
 import flexgen
 from flexgen.captures import find_path, follow
+from flexgen.dsl import trace as trace_module
 from flexgen.variant import mod_parts
-from test_compile import META, Recorder, compiled, qkv, B, L
+from test_compile import META, Recorder, compiled, qkv, B, H, L
 
 
 def and_masks(*fns):
@@ -241,3 +242,36 @@ def test_a_tensor_the_score_mod_computes_while_traced_runs_eagerly_under_compile
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(flexgen.flex_attention, fullgraph=True)(q, k, v, score_mod=score_mod)
+
+
+class _CutoffBias(nn.Module):
+    """A score_mod made in forward over a table computed there and the module's own 0-dim buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, H)
+        self.register_buffer("cutoff", torch.tensor(3, dtype=torch.long))
+
+    def forward(self, q, k, v, points):
+        table = self.proj(points)  # (n, H), made inside the compiled region
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + ((q_idx >= self.cutoff) & (kv_idx >= self.cutoff)).to(score.dtype) * table[kv_idx, h]
+
+        return flexgen.flex_attention(q, k, v, score_mod=score_mod)
+
+
+def test_a_score_mod_over_a_table_made_inside_and_a_module_scalar_on_the_inputs_device(monkeypatch):
+    """While traced, a table made inside the compiled region stands in as a CPU tensor, beside the module's 0-dim
+    buffer on the inputs' device (meta here, as CUDA on a GPU): a 0-dim buffer goes with any device, so the compile
+    goes through and the kernel gets both as graph inputs."""
+    monkeypatch.setattr(trace_module, "BUFFER_DEVICES", ("cpu", "cuda", "meta"))
+    module = _CutoffBias().to(META)
+    q, k, v = qkv(requires_grad=(False, False, False))
+    points = torch.randn(L, 2, device=META)
+    recorder = Recorder()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(module, backend=recorder, fullgraph=True)(q, k, v, points)
+    assert out.shape == q.shape and out.device.type == "meta"
+    assert len(recorder.graphs) == 1

@@ -148,7 +148,8 @@ class Tracer:
                 f"buffer '{name}' is on device '{tensor.device}'; buffers must hold real data on a CPU or CUDA device",
             )
         for other_name, other in self.buffers.items():
-            if other.device != tensor.device:
+            # (a 0-dim tensor goes with any device, as in PyTorch's ops: the launch copies it over, 4 bytes)
+            if other.device != tensor.device and other.dim() > 0 and tensor.dim() > 0:
                 raise self.error(
                     UnsupportedBufferError,
                     f"Buffers cannot be created across devices in one mod: buffer '{name}' is on {tensor.device} "
