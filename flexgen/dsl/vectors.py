@@ -45,9 +45,20 @@ def broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return out
 
 
+def _grid(shape: tuple[int, ...]) -> torch.Tensor:
+    """An array of `shape` holding each element's own row-major position: what torch's indexing or a shape method
+    does to it says which elements the result takes."""
+    return torch.arange(numel(shape)).reshape(shape)
+
+
+def _taken(picked: torch.Tensor) -> tuple[list[int], tuple[int, ...]]:
+    """A _grid's result: the positions it took, row-major, and its shape."""
+    return picked.reshape(-1).tolist(), tuple(picked.shape)
+
+
 def positions(shape: tuple[int, ...], target: tuple[int, ...]) -> list[int]:
     """For each element of `target` (row-major), the element of an array of `shape` that broadcasts to it."""
-    return torch.arange(numel(shape)).reshape(shape).broadcast_to(target).reshape(-1).tolist()
+    return _taken(_grid(shape).broadcast_to(target))[0]
 
 
 def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -60,8 +71,7 @@ def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def select(shape: tuple[int, ...], key) -> tuple[list[int], tuple[int, ...]]:
     """Constant indexing (ints, slices, None, ...): the selected positions and the result shape."""
-    picked = torch.arange(numel(shape)).reshape(shape)[key]
-    return picked.reshape(-1).tolist(), tuple(picked.shape)
+    return _taken(_grid(shape)[key])
 
 
 # Methods that only rearrange an array's elements (row-major order kept or permuted), on traced values as on tensors.
@@ -73,11 +83,11 @@ def rearrange(shape: tuple[int, ...], method: str, args: tuple, kwargs: dict) ->
     """`method` applied to an array of `shape` (torch's own rules, on the positions): the positions of the result's
     elements and its shape."""
     try:
-        picked = getattr(torch.arange(numel(shape)).reshape(shape), method)(*args, **kwargs)
+        picked = getattr(_grid(shape), method)(*args, **kwargs)
     except (RuntimeError, TypeError, IndexError) as e:
         raise VectorShapeError(f"{method}() of an array of shape {tuple(shape)}: {e}") from None
     check_size(tuple(picked.shape), f"the result of {method}()")
-    return picked.reshape(-1).tolist(), tuple(picked.shape)
+    return _taken(picked)
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
