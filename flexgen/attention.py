@@ -90,7 +90,8 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
         if hq % hk:
             raise ValueError(f"flex_attention: query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA")
     if query.shape[2] == 0 or lk == 0:
-        raise ValueError("flex_attention: sequence lengths must be at least 1")
+        raise ValueError(f"flex_attention: Query length must be greater than 0, and so must the key / value length "
+                         f"(as in PyTorch); got {query.shape[2]} and {lk}")
     check_grid(bq, hq)
 
 

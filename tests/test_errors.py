@@ -404,6 +404,13 @@ def test_key_and_value_of_another_precision_run_unfused(low):
     assert (out.double() - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("lq, lk", [(0, 16), (16, 0)])
+def test_empty_sequences_are_refused_with_pytorchs_words(lq, lk):
+    q, kv = torch.ones(2, 2, lq, 64), torch.ones(2, 2, lk, 64)
+    with pytest.raises(ValueError, match=f"Query length must be greater than 0, .* got {lq} and {lk}"):
+        flexgen.flex_attention(q, kv, kv)
+
+
 def test_nested_tensors_are_refused_before_any_work():
     parts = [torch.randn(2, 10, 64), torch.randn(2, 12, 64)]
     q = torch.nested.nested_tensor(parts, layout=torch.jagged)
