@@ -203,17 +203,17 @@ def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device, grad: boo
     theirs = torch_flex.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
     ours = flexgen.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
 
+    def dense(*qkv):
+        return dense_attention(*qkv, score, mask)
+
     def pytorch(*qkv):
         if grad and device.type == "cpu":  # (PyTorch's flex_attention has no backward on the CPU)
-            return dense_attention(*qkv, score, mask)
+            return dense(*qkv)
         return torch_flex.flex_attention(*qkv, score_mod=score, block_mask=theirs)
 
     def pytorch_compiled(*qkv):
         torch._dynamo.reset()
         return torch.compile(torch_flex.flex_attention, fullgraph=True)(*qkv, score_mod=score, block_mask=theirs)
-
-    def dense(*qkv):
-        return dense_attention(*qkv, score, mask)
 
     # The float64 gold: PyTorch's flex_attention, or for gradients the dense reference (PyTorch's flex_attention has
     # no backward on the CPU, and its eager backward cannot vmap every score_mod, e.g. an autograd.Function's).
