@@ -31,6 +31,15 @@ _EVAL_CHUNK_ELEMENTS = 1 << 24
 _NOT_DERIVED = object()
 
 
+def _same_mod(a, b) -> bool:
+    """`a is b`, spelled out for functools.partials: dynamo cannot trace `is` between two of them (a mask over
+    a partial, compiled with fullgraph=True), but can between their functions and bound values."""
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return (a.func is b.func and len(a.args) == len(b.args) and all(x is y for x, y in zip(a.args, b.args))
+                and a.keywords.keys() == b.keywords.keys() and all(a.keywords[k] is b.keywords[k] for k in a.keywords))
+    return a is b
+
+
 def sliced_mask_mod(b, h, q_idx, kv_idx):
     raise RuntimeError(
         "this BlockMask was sliced (block_mask[...]), so it has no mask_mod: the slice's batch, head and query "
@@ -119,8 +128,9 @@ def _torch_lists_inside(kv_num, kv_idx, fkv_num, fkv_idx, n_kv: int) -> tuple:
     same lists (blockmask_cache.py), so that what is derived from them and cached per count tensor (the
     adoption, the work orders) is made once per mask, not once per call."""
     def make():
-        inside = lists_inside(kv_num, kv_idx, n_kv)
-        return (*inside, *(lists_inside(fkv_num, fkv_idx, n_kv) if fkv_num is not None else (None, None)))
+        inside = lists_inside(kv_num, _full_width(kv_idx, n_kv), n_kv)
+        full = lists_inside(fkv_num, _full_width(fkv_idx, n_kv), n_kv) if fkv_num is not None else (None, None)
+        return (*inside, *full)
 
     if torch.compiler.is_compiling() or capturing(kv_num):  # (traced tensors; a captured graph keeps addresses)
         return make()
@@ -131,6 +141,15 @@ def _torch_lists_inside(kv_num, kv_idx, fkv_num, fkv_idx, n_kv: int) -> tuple:
 
 def _kv_blocks(bm) -> int:
     return -(-int(bm.seq_lengths[1]) // _pair(bm.BLOCK_SIZE)[1])
+
+
+def _full_width(indices: torch.Tensor | None, columns: int) -> torch.Tensor | None:
+    """`indices` with at least `columns` slots per row. PyTorch's masks may be compacted to as many columns as
+    the longest list has blocks; the checks and the dense views here take a row's width as its number of blocks,
+    so narrower lists are padded (the slots past a row's count are never read)."""
+    if indices is None or indices.shape[-1] >= columns:
+        return indices
+    return torch.nn.functional.pad(indices, (0, columns - indices.shape[-1]))
 
 
 @dataclass
@@ -197,27 +216,32 @@ class BlockMask:
         n_q, n_kv = (indices_shape[-2], indices_shape[-1]) if len(indices_shape) >= 2 else (0, 0)
         seq_lengths = (n_q * bq, n_kv * bkv) if seq_lengths is None else check.seq_lengths(seq_lengths, where)
         kv_blocks = -(-seq_lengths[1] // bkv)
-        if n_kv < kv_blocks:  # the backward reads the transposed lists of every KV block of the sequence
-            raise ValueError(
-                f"{where}: kv_indices has {n_kv} columns but KV_LEN {seq_lengths[1]} in blocks of {bkv} has "
-                f"{kv_blocks} KV blocks; the lists need a column for each"
-            )
-        kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where)
+        n_kv = max(n_kv, kv_blocks)  # (lists may be compacted to the longest one's length)
+        # Traced lists hold no values to check: they are made safe instead (counts within a row, blocks outside
+        # the sequence left out, on the device, as PyTorch's masks are in from_torch); repeats go unchecked.
+        traced = torch.compiler.is_compiling()
+        kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where, not traced)
+        if traced:
+            kv_num_blocks, kv_indices = lists_inside(kv_num_blocks, kv_indices, kv_blocks)
         partial = lists_to_dense(kv_num_blocks, kv_indices, n_kv)
-        check.no_repeats(kv_num_blocks, partial, "kv", where)
+        if not traced:
+            check.no_repeats(kv_num_blocks, partial, "kv", where)
         q_num, q_idx = dense_to_lists(partial.transpose(-1, -2)) if compute_q_blocks else (None, None)
         fq_num = fq_idx = None
         if full_kv_num_blocks is not None:
             full_kv_num_blocks, full_kv_indices = check.block_lists(full_kv_num_blocks, full_kv_indices, kv_blocks,
-                                                                    "full_kv", where)
-            if full_kv_indices.shape[-2:] != kv_indices.shape[-2:] or full_kv_indices.device != kv_indices.device:
+                                                                    "full_kv", where, not traced)
+            if traced:
+                full_kv_num_blocks, full_kv_indices = lists_inside(full_kv_num_blocks, full_kv_indices, kv_blocks)
+            if full_kv_indices.shape[-2] != kv_indices.shape[-2] or full_kv_indices.device != kv_indices.device:
                 raise ValueError(
                     f"{where}: full_kv_indices {tuple(full_kv_indices.shape)} on {full_kv_indices.device} must match "
-                    f"kv_indices {tuple(kv_indices.shape)} on {kv_indices.device} in (nQ, nKV) and device"
+                    f"kv_indices {tuple(kv_indices.shape)} on {kv_indices.device} in nQ and device"
                 )
             full = lists_to_dense(full_kv_num_blocks, full_kv_indices, n_kv)
-            check.no_repeats(full_kv_num_blocks, full, "full_kv", where)
-            check.disjoint(partial, full, where)
+            if not traced:
+                check.no_repeats(full_kv_num_blocks, full, "full_kv", where)
+                check.disjoint(partial, full, where)
             if compute_q_blocks:
                 fq_num, fq_idx = dense_to_lists(full.transpose(-1, -2))
         return cls(
@@ -248,7 +272,7 @@ class BlockMask:
         """Adopt a torch.nn.attention.flex_attention.BlockMask as it is, with the (B, H) dimensions it leaves out
         put back as 1, which broadcast: PyTorch reads lists of (nQ, nKV) or (H, nQ, nKV) that way."""
         if isinstance(bm, BlockMask):
-            return bm._with_batch_and_heads()
+            return bm._with_batch_and_heads()._with_full_width()
         n_kv = _kv_blocks(bm)
         kv_num, kv_idx, fkv_num, fkv_idx = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
         # PyTorch's PagedAttention lists page -1 for the logical blocks it has reserved no pages for (its mask_mod
@@ -259,6 +283,8 @@ class BlockMask:
         # leaves such blocks out.
         kv_num, kv_idx, fkv_num, fkv_idx = _torch_lists_inside(kv_num, kv_idx, fkv_num, fkv_idx, n_kv)
         q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+        q_blocks = kv_idx.shape[-2]
+        q_idx, fq_idx = _full_width(q_idx, q_blocks), _full_width(fq_idx, q_blocks)
         if q_num is None:
             made = cls.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
             q_num, q_idx, fq_num, fq_idx = made.q_num_blocks, made.q_indices, made.full_q_num_blocks, made.full_q_indices
@@ -266,6 +292,22 @@ class BlockMask:
             tuple(bm.seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx,
             q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
         )._with_batch_and_heads()
+
+    def _with_full_width(self) -> "BlockMask":
+        """The mask with lists a column per block: kv lists as wide as the KV blocks of its sequence, q lists as
+        its query blocks (_full_width)."""
+        kv_cols, q_cols = self._kv_columns(), self.kv_indices.shape[-2]
+        tensors = (self.kv_indices, self.full_kv_indices, self.q_indices, self.full_q_indices)
+        widths = (kv_cols, kv_cols, q_cols, q_cols)
+        if all(t is None or t.shape[-1] >= w for t, w in zip(tensors, widths)):
+            return self
+        kv, fkv, q, fq = (_full_width(t, w) for t, w in zip(tensors, widths))
+        return replace(self, kv_indices=kv, full_kv_indices=fkv, q_indices=q, full_q_indices=fq)
+
+    def _kv_columns(self) -> int:
+        """KV blocks a row of the mask spans: its lists' width, or its sequence's blocks where those are more
+        (lists compacted to the longest one's length)."""
+        return max(self.kv_indices.shape[-1], _kv_blocks(self))
 
     def _with_batch_and_heads(self) -> "BlockMask":
         """The mask with lists of (B, H, nQ[, nKV]): the leading dimensions a slice or a hand-made mask left out
@@ -313,7 +355,7 @@ class BlockMask:
         several query blocks' lists, mask_mod deciding each element (runtime/coarse_rows.py). Lists made by hand
         (from_kv_blocks, a block-sparse layout, PyTorch's masks) may disagree with mask_mod, and are walked as
         they are."""
-        return self.blocks_from is self.mask_mod
+        return _same_mod(self.blocks_from, self.mask_mod)
 
     def derived_from_mask_mod(self) -> "BlockMask":
         """This mask, its lists marked as computed from its mask_mod."""
@@ -365,6 +407,7 @@ class BlockMask:
         sliced = BlockMask.from_kv_blocks(
             pick(self.kv_num_blocks), pick(self.kv_indices), pick(self.full_kv_num_blocks), pick(self.full_kv_indices),
             self.BLOCK_SIZE, sliced_mask_mod if self.mask_mod is not None else None, self.seq_lengths,
+            compute_q_blocks=self.q_num_blocks is not None,
         )
         # from_kv_blocks gave lists of (B, H, ...): this mask's own leading dimensions are the last of B and H
         lead = len(sizes) - 1
@@ -420,7 +463,7 @@ class BlockMask:
         return self._map_tensors(lambda t: t.expand(b, h, *t.shape[2:]).contiguous())
 
     def _dense(self, counts, indices) -> torch.Tensor:
-        return lists_to_dense(counts, indices, self.kv_indices.shape[-1])
+        return lists_to_dense(counts, indices, self._kv_columns())
 
     def block_states(self, rows: int | None = None, cols: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(partial, full) as (B, H, nQ, nKV) booleans from the KV lists, over the first `rows` x `cols` blocks (all
@@ -439,7 +482,7 @@ class BlockMask:
 
     def sparsity(self) -> float:
         """Percentage of blocks skipped entirely."""
-        n_q, n_kv = self.kv_indices.shape[-2], self.kv_indices.shape[-1]
+        n_q, n_kv = self.kv_indices.shape[-2], self._kv_columns()
         q_len, kv_len = self.seq_lengths
         n_q, n_kv = min(n_q, -(-q_len // self.BLOCK_SIZE[0])), min(n_kv, -(-kv_len // self.BLOCK_SIZE[1]))
         dense = self.to_dense()[..., :n_q, :n_kv]

@@ -55,10 +55,12 @@ def index_tensor(t, name: str, where: str) -> torch.Tensor:
     return t
 
 
-def block_lists(counts, indices, n_kv_blocks: int, prefix: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_lists(counts, indices, n_kv_blocks: int, prefix: str, where: str,
+                values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Check one (counts, indices) pair, (..., nQ) and (..., nQ, width); return them as int32.
 
-    Each row lists counts[row] distinct KV blocks in [0, n_kv_blocks); slots past the count are unused."""
+    Each row lists counts[row] distinct KV blocks in [0, n_kv_blocks); slots past the count are unused.
+    values=False checks shapes, dtypes and devices only (traced lists hold no values)."""
     counts = index_tensor(counts, f"{prefix}_num_blocks", where)
     indices = index_tensor(indices, f"{prefix}_indices", where)
     if not 2 <= indices.dim() <= 4:
@@ -74,15 +76,14 @@ def block_lists(counts, indices, n_kv_blocks: int, prefix: str, where: str) -> t
     if counts.device != indices.device:
         raise ValueError(f"{where}: {prefix}_num_blocks is on {counts.device} but {prefix}_indices on {indices.device}")
     width = indices.shape[-1]
-    if counts.numel():
+    if values and counts.numel():
         low, high = int(counts.min()), int(counts.max())
         if low < 0 or high > width:
             raise ValueError(
                 f"{where}: {prefix}_num_blocks must lie in [0, {width}] (the length of a row of {prefix}_indices), "
                 f"got values from {low} to {high}"
             )
-    listed = torch.arange(width, device=indices.device) < counts.unsqueeze(-1)
-    used = indices[listed]
+    used = indices[torch.arange(width, device=indices.device) < counts.unsqueeze(-1)] if values else indices[:0]
     if used.numel():
         low, high = int(used.min()), int(used.max())
         if low < 0 or high >= n_kv_blocks:

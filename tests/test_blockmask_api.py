@@ -117,13 +117,39 @@ def test_from_kv_blocks_refuses_inconsistent_full_lists():
         BlockMask.from_kv_blocks(counts, indices, full_kv_num_blocks=counts)
     with pytest.raises(ValueError, match="listed in both kv_indices and full_kv_indices"):
         BlockMask.from_kv_blocks(counts, indices, counts, indices)
-    wide_counts, wide, _ = random_lists(g, 1, 2, 4, 6)
-    with pytest.raises(ValueError, match=r"must match kv_indices"):
-        BlockMask.from_kv_blocks(counts, indices, wide_counts.clamp(max=4), wide.clamp(max=3))
+    tall_counts, tall, _ = random_lists(g, 1, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"must match kv_indices .* in nQ"):
+        BlockMask.from_kv_blocks(counts, indices, tall_counts, tall)
     with pytest.raises(ValueError, match="seq_lengths must be a"):
         BlockMask.from_kv_blocks(counts, indices, seq_lengths=(0, 512))
-    with pytest.raises(ValueError, match="kv_indices has 4 columns but KV_LEN 600 in blocks of 128 has 5 KV blocks"):
-        BlockMask.from_kv_blocks(counts, indices, seq_lengths=(512, 600))
+    with pytest.raises(ValueError, match=r"kv_indices lists KV block 4; block numbers must lie in \[0, 4\)"):
+        BlockMask.from_kv_blocks(torch.ones(1, 1, 4, dtype=torch.int32), torch.full((1, 1, 4, 1), 4),
+                                 seq_lengths=(512, 512))
+
+
+def _compacted(indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return indices[..., :max(int(counts.max()), 1)].contiguous()
+
+
+def test_from_kv_blocks_takes_lists_compacted_to_the_longest_row():
+    """PyTorch's masks may keep only as many columns as the longest list: the mask is the one the full-width lists
+    describe (the lists themselves are kept as given), and its q lists have a column per query block."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.rand(2, 3, 6, 9, generator=g) < 0.3
+    dense[..., 0, 8] = True  # (a block past the longest row's width)
+    full = (torch.rand(2, 3, 6, 9, generator=g) < 0.2) & ~dense
+    (counts, indices), (fcounts, findices) = listed_first(dense), listed_first(full)
+    wide = BlockMask.from_kv_blocks(counts, indices, fcounts, findices, BLOCK_SIZE=16, seq_lengths=(90, 140))
+    narrow_kv, narrow_full = _compacted(indices, counts), _compacted(findices, fcounts)
+    assert narrow_kv.shape[-1] < 9
+    narrow = BlockMask.from_kv_blocks(counts, narrow_kv, fcounts, narrow_full, BLOCK_SIZE=16, seq_lengths=(90, 140))
+    assert narrow.kv_indices.shape == narrow_kv.shape and torch.equal(narrow.kv_indices, narrow_kv)
+    assert torch.equal(narrow.to_dense(), wide.to_dense()) and narrow.to_dense().shape[-1] == 9
+    assert narrow.sparsity() == wide.sparsity()
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(narrow, name), getattr(wide, name)), name
+    adopted = BlockMask.from_torch(narrow)
+    assert adopted.kv_indices.shape[-1] == 9 and torch.equal(adopted.to_dense(), wide.to_dense())
 
 
 def test_from_kv_blocks_accepts_what_torch_builds():
@@ -558,3 +584,73 @@ def test_create_block_mask_flags_must_be_bools(name):
     with pytest.raises(ValueError, match=f"{name} must be a bool"):
         create_block_mask(causal, 1, 1, 128, 128, device="cpu", **{name: torch.tensor([1, 0])})
     create_block_mask(causal, 1, 1, 128, 128, device="cpu", **{name: False})  # accepted
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("cls", ["flexgen", "torch"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_under_lists_compacted_to_the_longest_row(cls, compiled):
+    """A mask whose lists (kv and q) keep only the longest row's columns, built by either class's constructor,
+    gives the full-width mask's output and gradients, eager and under torch.compile(fullgraph=True)."""
+    if cls == "torch":
+        from torch.nn.attention.flex_attention import BlockMask as make, create_block_mask as build
+    else:
+        make, build = BlockMask, create_block_mask
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([40, 100, 20, 60, 36]))
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    wide = build(same_document_causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=32)
+    cut = {f"{kind}_indices": _compacted(getattr(wide, f"{kind}_indices"), getattr(wide, f"{kind}_num_blocks"))
+           for kind in ("kv", "full_kv", "q", "full_q")}
+    assert cut["kv_indices"].shape[-1] < wide.kv_indices.shape[-1]
+    narrow = make(seq_lengths=wide.seq_lengths, kv_num_blocks=wide.kv_num_blocks,
+                  full_kv_num_blocks=wide.full_kv_num_blocks, q_num_blocks=wide.q_num_blocks,
+                  full_q_num_blocks=wide.full_q_num_blocks, BLOCK_SIZE=wide.BLOCK_SIZE, mask_mod=wide.mask_mod, **cut)
+    attend = torch.compile(flexgen.flex_attention, fullgraph=True, backend="eager") if compiled else flexgen.flex_attention
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    results = []
+    for mask, call in ((wide, flexgen.flex_attention), (narrow, attend)):
+        out = call(q, k, v, block_mask=mask)
+        assert not out.isnan().any()
+        results.append((out, *torch.autograd.grad((out * out).sum(), (q, k, v))))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_slices_of_a_mask_without_q_lists_have_none():
+    """compute_q_blocks=False leaves the q lists out; a slice of such a mask leaves them out too (PyTorch's does)."""
+    g = torch.Generator().manual_seed(5)
+    counts, indices, _ = random_lists(g, 2, 3, 4, 5)
+    bm = BlockMask.from_kv_blocks(counts, indices, compute_q_blocks=False)
+    for sliced in (bm[0], bm[:, 1], bm[1, :, 2:]):
+        assert sliced.q_indices is None and sliced.q_num_blocks is None
+    assert bm.q_indices is None
+    assert BlockMask.from_kv_blocks(counts, indices)[0].q_indices is not None
+
+
+def test_from_kv_blocks_under_fullgraph_compile():
+    """Traced lists hold no values to check: from_kv_blocks compiles into one graph, gives eager's mask for valid
+    lists, and leaves out blocks outside the sequence (and counts past a row) rather than let a kernel read them."""
+    from torch._dynamo.testing import CompileCounter
+
+    def build(counts, indices, full_counts, full_indices):
+        bm = BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=32, seq_lengths=(96, 160))
+        return bm.kv_num_blocks, bm.kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+
+    g = torch.Generator().manual_seed(6)
+    dense = torch.rand(2, 1, 3, 5, generator=g) < 0.5
+    full = (torch.rand(2, 1, 3, 5, generator=g) < 0.5) & ~dense
+    args = (*listed_first(dense), *listed_first(full))
+    counter = CompileCounter()
+    traced = torch.compile(build, fullgraph=True, backend=counter)
+    for got, want in zip(traced(*args), build(*args)):
+        assert torch.equal(got, want)
+    assert counter.frame_count == 1
+    counts, indices = torch.tensor([[[9, 2, 1]]], dtype=torch.int32), torch.tensor([[0, 7, 1, 2, 3]] * 3).view(1, 1, 3, 5)
+    got_counts, got_indices, *_ = traced(counts, indices.to(torch.int32), *listed_first(torch.zeros(1, 1, 3, 5) > 0))
+    assert got_counts.tolist() == [[[4, 1, 1]]] and got_indices[0, 0, 0, :4].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="must lie in"):  # (eager still refuses them)
+        build(counts, indices.to(torch.int32), *listed_first(torch.zeros(1, 1, 3, 5) > 0))

@@ -919,6 +919,31 @@ def test_compiled_create_block_mask_over_a_partial_reading_a_buffer_by_batch():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fullgraph_attention_under_a_mask_over_a_partial():
+    """A block mask whose mask_mod is a functools.partial, built eagerly or by a compiled create_block_mask, goes
+    through flex_attention compiled with fullgraph=True (dynamo cannot trace `is` between two partials, which the
+    check whether the lists follow the mask_mod must therefore not use), and computes what eager does."""
+    def padded(b, h, q_idx, kv_idx, lengths):
+        return (q_idx < lengths[b]) & (kv_idx < lengths[b])
+
+    torch._dynamo.reset()
+    build = torch.compile(flexgen.create_block_mask, dynamic=True, fullgraph=False)
+    attend = torch.compile(flexgen.flex_attention, dynamic=True, fullgraph=True, backend="eager")
+    for n in (40, 56):
+        lengths = torch.randint(n // 2, n + 1, (2,))
+        mod = functools.partial(padded, lengths=lengths)
+        q, k, v = (torch.randn(2, 2, n, 16) for _ in range(3))
+        for mask in (flexgen.create_block_mask(mod, 2, None, n, n, device="cpu"),
+                     build(mod, B=2, H=None, Q_LEN=n, KV_LEN=n, device="cpu")):
+            assert mask.blocks_follow_mask_mod
+            got = attend(q, k, v, block_mask=mask)
+            want = flexgen.flex_attention(q, k, v, block_mask=mask)
+            rows = torch.arange(n) < lengths[:, None]
+            assert torch.allclose(got[rows[:, None].expand(-1, 2, -1)], want[rows[:, None].expand(-1, 2, -1)],
+                                  atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_dynamic_true_takes_kernel_options_ints_as_their_values():
     """dynamic=True makes the ints of the kernel_options dict symbolic; each is taken as its value, guarded: another
     value compiles again (its own kernel), a bad one is still refused, and two calls in one graph keep their own."""

@@ -34,12 +34,26 @@ def _random_states(q_block: int, kv_block: int) -> torch.Tensor:
 
 
 def _hand_made(states: torch.Tensor, block: tuple[int, int], mask_mod, source: str):
+    """The lists of `states` made by `source`'s from_kv_blocks; "-compact": then cut, as PyTorch allows, to as many
+    columns as the longest list (q lists included), in a mask built by the class's constructor."""
+    if source.endswith("-compact"):
+        states[:, 1::2] = 0  # (rows of at most half the blocks: the cut lists are narrower than the grid)
     partial, full = dense_to_lists((states == 1)[None, None]), dense_to_lists((states == 2)[None, None])
-    if source == "torch":
-        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
-
-        return TorchBlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, L))
-    return flexgen.BlockMask.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, L))
+    if source.startswith("torch"):
+        from torch.nn.attention.flex_attention import BlockMask as cls
+    else:
+        cls = flexgen.BlockMask
+    bm = cls.from_kv_blocks(*partial, *full, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(L, L))
+    if not source.endswith("-compact"):
+        return bm
+    cut = {}
+    for kind in ("kv", "full_kv", "q", "full_q"):
+        counts, indices = getattr(bm, f"{kind}_num_blocks"), getattr(bm, f"{kind}_indices")
+        cut[f"{kind}_indices"] = indices[..., :max(int(counts.max()), 1)].contiguous()
+    assert cut["kv_indices"].shape[-1] < bm.kv_indices.shape[-1]
+    return cls(seq_lengths=bm.seq_lengths, kv_num_blocks=bm.kv_num_blocks, full_kv_num_blocks=bm.full_kv_num_blocks,
+               q_num_blocks=bm.q_num_blocks, full_q_num_blocks=bm.full_q_num_blocks, BLOCK_SIZE=bm.BLOCK_SIZE,
+               mask_mod=bm.mask_mod, **cut)
 
 
 def _same_as_lists(states: torch.Tensor, block: tuple[int, int], mask_mod):
@@ -70,6 +84,8 @@ CASES = [  # (mask_mod, BLOCK_SIZE, where the lists come from)
     (_causal, (64, 128), "flexgen"),  # query blocks below the forward's tile: no union may be walked
     (None, (256, 128), "torch"),
     (_causal, (32, 128), "torch"),  # shorter than every forward tile: the unfused path
+    (_causal, (128, 128), "torch-compact"),  # lists cut to the longest one's length
+    (None, (128, 64), "flexgen-compact"),
 ]
 
 
