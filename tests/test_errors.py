@@ -242,6 +242,7 @@ def test_mask_must_return_bool():
 def test_score_must_not_return_bool():
     message = _error(ReturnTypeError, lambda: flexgen.score_mod(lambda s, b, h, q, kv: q >= kv))
     assert "returns bool" in message and "flexgen.mask_mod" in message
+    assert "requires the output of score_mod to depend on score" in message  # (PyTorch's words for it)
 
 
 def test_combining_a_score_mod_as_mask():

@@ -69,8 +69,10 @@ def test_pytorchs_messages_for_lengths_and_devices():
     mask = flexgen.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, 256, 256, device="cpu")
     q, k, v = _qkv(lq=128, lkv=128)
     for error in (ValueError, RuntimeError):  # (older PyTorch raised the one, newer the other)
-        with pytest.raises(error, match="block_mask was created for"):
+        with pytest.raises(error, match=r"block_mask was created for a larger length .*_adjust\(128, 128\)"):
             flexgen.flex_attention(q, k, v, block_mask=mask)
+    with pytest.raises(RuntimeError, match=r"block_mask was created for a smaller length .* Q_LEN=512, KV_LEN=512\)$"):
+        flexgen.flex_attention(*_qkv(lq=512, lkv=512), block_mask=mask)
     meta = torch.empty(q.shape, device="meta")
     with pytest.raises(ValueError, match="Expected query, key, and value to have the same device type"):
         flexgen.flex_attention(q, meta, v)

@@ -237,7 +237,8 @@ class Tracer:
                 raise ReturnTypeError(
                     f"{self.label} returns bool, but a score_mod must return the (float) score; "
                     "a function that returns bool is a mask_mod: use flexgen.mask_mod, or "
-                    "torch.where(cond, score, -float('inf')) to mask inside a score_mod"
+                    "torch.where(cond, score, -float('inf')) to mask inside a score_mod (flex_attention backward "
+                    "requires the output of score_mod to depend on score)"
                 )
             node = ir.cast(node, DType.FLOAT32)  # scores are float; an integer result is promoted
         try:

@@ -84,10 +84,12 @@ def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torc
     q_len, kv_len = query.shape[2], key.shape[2]
     if tuple(seq_lengths) != (q_len, kv_len):
         shape = (*kv_num_blocks.shape[:2], *seq_lengths)
+        smaller = q_len > seq_lengths[0] or kv_len > seq_lengths[1]
+        crop = "" if smaller else f", or crop it with block_mask._adjust({q_len}, {kv_len}) where its mask_mod allows"
         raise BlockMaskLengthError(
-            f"flex_attention: block_mask was created for block_mask.shape={shape} but got q_len={q_len} and "
-            f"kv_len={kv_len}: it was built for (Q_LEN, KV_LEN) = {tuple(seq_lengths)}; build it with "
-            f"create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len})"
+            f"flex_attention: block_mask was created for a {'smaller' if smaller else 'larger'} length than it is "
+            f"used for: block_mask.shape={shape} but got q_len={q_len} and kv_len={kv_len}; build a new one with "
+            f"create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len}){crop}"
         )
     if kv_num_blocks.device != query.device:
         raise ValueError(f"flex_attention: the block mask is on {kv_num_blocks.device} but the inputs are on "
