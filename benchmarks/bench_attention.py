@@ -43,7 +43,7 @@ bench_plot.png (if matplotlib is present); the compact table is printed last.
     python3 benchmarks/bench_attention.py                      # the full PEERS protocol
     python3 benchmarks/bench_attention.py --quick              # D=128, N=8k, short timing
     python3 benchmarks/bench_attention.py --variants causal,document-causal --dims 128 --fwd-only
-    python3 benchmarks/bench_attention.py --kernel-options '[{"BLOCK_M":128,"BLOCK_N":64,"num_warps":4},{"BLOCK_M":128,"BLOCK_N":128,"num_warps":8}]'
+    python3 benchmarks/bench_attention.py --kernel-options '[{"family":"sm80","BLOCK_M":128,"BLOCK_N":64},{"family":"sm80","BLOCK_M":128,"BLOCK_N":128,"num_warps":8}]'
     python3 benchmarks/bench_attention.py --long --skip-sweep  # 64k tokens, one sequence, causal
 """
 from __future__ import annotations

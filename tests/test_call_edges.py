@@ -384,12 +384,12 @@ def test_pytorch_options_pass_through_flex_attention(monkeypatch):
 def test_forward_tiles_are_checked_before_compiling(hopper, options, match):
     q = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=match):
-        make_spec("fwd", q, None, None, options)
+        make_spec("fwd", q, None, None, {"family": "sm80", **options})
 
 
 def test_good_forward_tiles_plan(hopper):
     q = torch.empty(1, 1, 4, 128, dtype=torch.bfloat16)
-    spec = make_spec("fwd", q, None, None, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8})
+    spec = make_spec("fwd", q, None, None, {"family": "sm80", "BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8})
     assert (spec.family, spec.block_m, spec.block_n, spec.num_warps) == ("sm80", 128, 32, 8)
 
 
@@ -443,7 +443,8 @@ def test_fake_kernel_checks_the_block_mask_against_the_inputs():
         flexgen.flex_attention(q, q, q, block_mask=mask)
 
 
-@pytest.mark.parametrize("options,match", [({"BLOCK_M": 16}, "allowed values"), ({"family": "sm90", "BLOCK_N": 64}, "tiles are fixed")])
+@pytest.mark.parametrize("options,match", [({"family": "sm80", "BLOCK_M": 16}, "allowed values"),
+                                           ({"family": "sm90", "BLOCK_N": 64}, "tiles are fixed")])
 def test_fake_kernel_on_a_cuda_device_plans_the_kernel(hopper, options, match):
     """Fake CUDA tensors (what torch.compile traces on a GPU) have an architecture: the fake kernel plans."""
     key = variant_key("", "", None, options)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flexgen.arch
-from flexgen import variants as V
+from flexgen import variants as V, warnings_once
 from flexgen.cache.build import expand
 from flexgen.codegen.api import make_spec as emit_spec
 from flexgen.codegen.render import available_templates
@@ -95,11 +95,11 @@ def test_threads_and_grids():
 @pytest.mark.parametrize("kind,options,emit_options", [
     ("fwd", None, {}),
     ("fwd", {"family": "sm80"}, {"family": "sm80"}),
-    ("fwd", {"BLOCK_N": 32, "num_warps": 4}, {"block_n": 32, "num_warps": 4}),
+    ("fwd", {"family": "sm80", "BLOCK_N": 32, "num_warps": 4}, {"family": "sm80", "block_n": 32, "num_warps": 4}),
     ("fwd", {"precise_math": True}, {"precise_math": True}),
     ("bwd", None, {}),
     ("bwd", {"deterministic": True}, {"deterministic": True}),
-    ("bwd", {"BLOCK_M1": 32, "num_warps1": 4}, {"block_m": 32, "num_warps": 4}),
+    ("bwd", {"family": "sm80", "BLOCK_M1": 32, "num_warps1": 4}, {"family": "sm80", "block_m": 32, "num_warps": 4}),
     ("bwd_preprocess", None, {}),
 ], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 96])
@@ -121,6 +121,28 @@ def test_flex_attention_and_emit_plan_the_same_kernel(monkeypatch, kind, options
                                           blocks_follow_mask=True)
     if kind == "bwd":
         assert sorted(s.kind for s in built) == ["bwd", "bwd_postprocess", "bwd_preprocess"]
+
+
+@pytest.mark.parametrize("kind,options", [("fwd", {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2}),
+                                          ("bwd", {"BLOCK_M1": 32, "BLOCK_N1": 64, "num_warps1": 4})])
+def test_pytorch_tile_options_do_not_move_a_call_off_the_sm90_kernels(monkeypatch, kind, options):
+    """Tile options tune PyTorch's Triton kernels, and ported code carries them: on Hopper the call keeps the sm90
+    kernel it would get without them (they are ignored, with a warning that says how to use them: family='sm80',
+    which takes them, and refuses a tile its templates do not run)."""
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(warnings_once, "_seen", set())
+    query = torch.empty(1, 2, 300, 128, dtype=torch.bfloat16)
+    planning._make_spec_cached.cache_clear()
+    with pytest.warns(UserWarning, match=r"sm90 kernels run, whose tiles are fixed, so they are ignored.*'family'"):
+        spec = planning.make_spec(kind, query, V.softcap(30.0), V.causal, options)
+    assert spec is planning.make_spec(kind, query, V.softcap(30.0), V.causal, None) and spec.family == "sm90"
+    pinned = planning.make_spec(kind, query, V.softcap(30.0), V.causal, {"family": "sm80", **options})
+    assert pinned.family == "sm80" and pinned.block_m == options.get("BLOCK_M", options.get("BLOCK_M1"))
+    if kind == "fwd":  # (Triton runs 32-row tiles of 4 warps; the sm80 forward has 16 or 32 rows per warp)
+        unrunnable = {"BLOCK_M": 32, "BLOCK_N": 32}
+        assert planning.make_spec(kind, query, V.softcap(30.0), V.causal, unrunnable) is spec
+        with pytest.raises(ValueError, match="allowed values"):
+            planning.make_spec(kind, query, V.softcap(30.0), V.causal, {"family": "sm80", **unrunnable})
 
 
 def test_backward_plans_with_what_the_call_has(monkeypatch):

@@ -261,7 +261,7 @@ def test_head_dim_256_odd_lengths(name, gqa):
 def test_small_mask_blocks():
     """BLOCK_SIZE 64: the backward picks tiles that divide the mask's blocks."""
     check_variant("sliding_window", Shape(1, 2, 600, 600), 128, torch.bfloat16, bm_kwargs={"BLOCK_SIZE": 64},
-                  kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+                  kernel_options={"family": "sm80", "BLOCK_M": 64, "BLOCK_N": 64})
 
 
 @gpu
@@ -270,8 +270,8 @@ def test_small_mask_blocks():
                          ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("name", ["causal", "alibi_causal", "document"])
 def test_backward_tile_options(name, opts):
-    """kernel_options BLOCK_M1 / BLOCK_N1 (PyTorch's names) and num_warps1 pick the backward's tile."""
-    check_variant(name, Shape(1, 2, 700, 650), 128, torch.bfloat16, kernel_options=opts)
+    """kernel_options BLOCK_M1 / BLOCK_N1 (PyTorch's names) and num_warps1 pick the sm80 backward's tile."""
+    check_variant(name, Shape(1, 2, 700, 650), 128, torch.bfloat16, kernel_options={"family": "sm80", **opts})
 
 
 # ---------------------------------------------------------------- masked rows, partial grads, layouts

@@ -148,8 +148,10 @@ LENGTH_VARIANTS = ["none", "causal", "sliding_window", "alibi_causal"]
 LENGTHS = [(1, 1), (17, 17), (1000, 1000), (4097, 4097), (1, 4097), (17, 1000), (1000, 17), (4097, 1000)]
 GQA_VARIANTS = ["none", "causal", "alibi_causal", "document", "per_head_mask"]
 HEAD_DIMS = [32, 64, 96, 128, 256]
-TILE_OPTIONS = [{"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 128}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
-                {"num_stages": 1}, {"BLOCK_N": 32}]
+# (sm80 tiles: on Hopper, tile options without the family are PyTorch's Triton tuning and leave the sm90 kernels)
+TILE_OPTIONS = [{"family": "sm80", **o} for o in ({"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 128},
+                                                   {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}, {"num_stages": 1},
+                                                   {"BLOCK_N": 32})]
 D0 = 64  # head dim of the variant sweep
 
 
@@ -248,7 +250,7 @@ def _planned_kernels():
     plan += [(n, "fp16", D0, None) for n in FP16_VARIANTS]
     plan += [("causal", dt, d, None) for dt in DTYPES for d in HEAD_DIMS]
     plan += [("causal", "bf16", D0, o) for o in TILE_OPTIONS]
-    plan += [("sliding_window", "bf16", D0, {"BLOCK_M": 64, "BLOCK_N": 64})]
+    plan += [("sliding_window", "bf16", D0, {"family": "sm80", "BLOCK_M": 64, "BLOCK_N": 64})]
     plan += [(n, "bf16", D0, None) for n in ("late_causal", "nothing", "torch_doc")]
     seen, out = set(), []
     for n, dt, d, o in plan:
@@ -472,7 +474,7 @@ def test_kernel_options_tiles(opts):
 def test_kernel_options_small_tiles_with_small_mask_blocks():
     """A (64, 64) block mask works once the tile is at most that size."""
     check_variant("sliding_window", Shape(2, 4, 1000, 1000), D0, torch.bfloat16,
-                  kernel_options={"BLOCK_M": 64, "BLOCK_N": 64}, bm_kwargs={"BLOCK_SIZE": 64})
+                  kernel_options={"family": "sm80", "BLOCK_M": 64, "BLOCK_N": 64}, bm_kwargs={"BLOCK_SIZE": 64})
 
 
 @gpu

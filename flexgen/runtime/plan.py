@@ -17,6 +17,7 @@ from ..codegen.spec import KINDS, KernelSpec
 from ..dsl.graph import postorder
 from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
+from ..warnings_once import warn_once
 from .families import TILE_FIELDS, Call, choose
 from .schedule import sm_count
 
@@ -121,18 +122,31 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
         tiles = {field: int(options[name]) for name, field in CALL_FWD_TILES.items() if name in options}
     else:
         tiles = backward_tiles if kind == "bwd" else {}
-    flags = [(k, bool(v)) for k, v in options.items() if k in CALL_FLAGS and k not in ("deterministic", "split_kv")]
-    if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
-        flags.append(("max_scores", True))
-    if kind == "fwd" and splits_keys(options, tiles, split_rows > 0, max_scores):
-        flags.append(("split_kv", True))
-        if split_rows > SPLIT_BLOCK_M and not tiles:  # (the family's tall split tile: families.SM80.FWD_SPLIT_TALL)
-            flags.append(("split_rows", split_rows))
-    flags = tuple(sorted(flags))
-    return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
-                family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
-                grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
-                mask_block=mask_block, blocks_follow_mask=blocks_follow_mask, extra=flags)
+
+    def planned(tiles: dict) -> KernelSpec:
+        flags = [(k, bool(v)) for k, v in options.items() if k in CALL_FLAGS and k not in ("deterministic", "split_kv")]
+        if max_scores and kind == "fwd":  # a template option only where set: other kernels' source stays as it was
+            flags.append(("max_scores", True))
+        if kind == "fwd" and splits_keys(options, tiles, split_rows > 0, max_scores):
+            flags.append(("split_kv", True))
+            if split_rows > SPLIT_BLOCK_M and not tiles:  # (the family's tall split tile: families.SM80.FWD_SPLIT_TALL)
+                flags.append(("split_rows", split_rows))
+        return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
+                    family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
+                    grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
+                    mask_block=mask_block, blocks_follow_mask=blocks_follow_mask, extra=tuple(sorted(flags)))
+
+    if tiles and options.get("family") is None:
+        # PyTorch's tile options tune its Triton kernels; ported code carries them. Where the sm90 kernels (fixed
+        # tiles) would run the call, they do: the options would otherwise buy a slower family.
+        untiled = planned({})
+        if untiled.family == "sm90":
+            names = sorted(name for name in options if name in (CALL_FWD_TILES if kind == "fwd" else CALL_BWD_TILES))
+            warn_once(f"flex_attention: kernel_options {', '.join(names)} choose tiles of the sm80 kernels (in "
+                      "PyTorch, of its Triton kernels); on this GPU the sm90 kernels run, whose tiles are fixed, "
+                      "so they are ignored; kernel_options={'family': 'sm80', ...} runs the sm80 kernels on them")
+            return untiled
+    return planned(tiles)  # (tiles the sm80 templates cannot run are refused here)
 
 
 _make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)
