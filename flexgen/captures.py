@@ -299,24 +299,29 @@ GLOBAL_MODULES: dict[str, types.ModuleType] = {}
 def follow(obj, path: tuple):
     """Traced by dynamo: each step is an ordinary attribute or item access."""
     for kind, arg in path:
-        if kind == "closure":
-            obj = obj.__closure__[arg].cell_contents
-        elif kind == "global":  # through the module: dynamo cannot read __globals__ of every function
-            obj = getattr(GLOBAL_MODULES[obj.__module__], arg)
-        elif kind == "mod":
-            obj = obj.buffer_tensors[arg]
-        elif kind == "item":
-            obj = obj[arg]
-        elif kind == "partial_arg":
-            obj = obj.args[arg]
-        elif kind == "partial_kw":
-            obj = obj.keywords[arg]
-        elif kind == "default":
-            obj = obj.__defaults__[arg]
-        elif kind == "kwdefault":
-            obj = obj.__kwdefaults__[arg]
-        elif kind == "detach":
-            obj = obj.detach()
-        else:
-            obj = getattr(obj, arg)
+        obj = step(obj, kind, arg, obj.__module__ if kind == "global" else None)
     return obj
+
+
+def step(obj, kind: str, arg, module: str | None = None):
+    """One step of a path from `obj` (traced by dynamo); a "global" one reads `module`'s global `arg`, through
+    the module: dynamo cannot read __globals__ of every function."""
+    if kind == "closure":
+        return obj.__closure__[arg].cell_contents
+    if kind == "global":
+        return getattr(GLOBAL_MODULES[module], arg)
+    if kind == "mod":
+        return obj.buffer_tensors[arg]
+    if kind == "item":
+        return obj[arg]
+    if kind == "partial_arg":
+        return obj.args[arg]
+    if kind == "partial_kw":
+        return obj.keywords[arg]
+    if kind == "default":
+        return obj.__defaults__[arg]
+    if kind == "kwdefault":
+        return obj.__kwdefaults__[arg]
+    if kind == "detach":
+        return obj.detach()
+    return getattr(obj, arg)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .captures import GLOBAL_MODULES, buffer_paths, follow, is_plain_object, path_to, plain_values, traced
+from .captures import GLOBAL_MODULES, buffer_paths, follow, is_plain_object, path_to, plain_values, step, traced
 from .dynamo_marks import assume_constant_result
 from .warnings_once import warn_once_key
 
@@ -392,18 +392,12 @@ def _follow_captured(captured, path: tuple):
     obj = captured
     for kind, arg in steps:
         partial = isinstance(obj, tuple) and len(obj) == 4 and isinstance(obj[0], str) and obj[0] == "partial"
-        if kind == "global":
-            obj = getattr(GLOBAL_MODULES[module], arg)
-        elif partial and kind in ("attr", "partial_arg", "partial_kw"):
+        if partial and kind in ("attr", "partial_arg", "partial_kw"):
             obj = obj[1] if kind == "attr" else obj[2][arg] if kind == "partial_arg" else obj[3][arg]
-        elif kind == "detach":
-            obj = obj.detach()
-        elif kind == "item" or (kind == "closure" and isinstance(obj, tuple)):
+        elif kind == "closure" and isinstance(obj, tuple):
             obj = obj[arg]
-        elif kind == "closure":  # (a function made outside, which dynamo reads as it is)
-            obj = obj.__closure__[arg].cell_contents
-        else:
-            obj = getattr(obj, arg)
+        else:  # (a function made outside, which dynamo reads as it is, takes ordinary steps)
+            obj = step(obj, kind, arg, module)
     return obj
 
 
