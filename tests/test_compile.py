@@ -975,3 +975,23 @@ def test_dynamic_true_takes_kernel_options_ints_as_their_values():
         torch.testing.assert_close(torch.compile(two_calls, fullgraph=True, dynamic=True)(q, k, v), 2 * want,
                                    rtol=0, atol=1e-12)
     assert {"BLOCK_M": 32} in seen and {"BLOCK_M": 128} in seen
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fullgraph_caller_reads_the_length_error():
+    """Under fullgraph=True and dynamic sizes, an error raised while traced reaches the caller inside dynamo's own
+    ("Observed exception"); the mask-length one is then a plain string, which older dynamo shows as text where it
+    shows a message formatted over traced sizes as its records."""
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    torch._dynamo.reset()
+    attend = torch.compile(lambda q, k, v, m: flexgen.flex_attention(q, k, v, block_mask=m), fullgraph=True,
+                           dynamic=True, backend="eager")
+    for n in (256, 192):
+        q = torch.randn(1, 1, n, 16)
+        attend(q, q, q, flexgen.create_block_mask(causal, None, None, n, n, device="cpu"))
+    q = torch.randn(1, 1, 512, 16)
+    with pytest.raises(Exception, match="block_mask was created for a smaller length than it is used for: its "
+                                        r"\(Q_LEN, KV_LEN\) differ"):
+        attend(q, q, q, flexgen.create_block_mask(causal, None, None, 320, 320, device="cpu"))
