@@ -145,6 +145,23 @@ def test_pytorch_tile_options_do_not_move_a_call_off_the_sm90_kernels(monkeypatc
             planning.make_spec(kind, query, V.softcap(30.0), V.causal, {"family": "sm80", **unrunnable})
 
 
+def test_a_tile_the_sm80_forward_does_not_run_is_a_hint_unless_the_family_is_named(monkeypatch):
+    """On an sm_80 GPU, tile options are taken; one its forward does not run (Triton's 32-row tile of 4 warps, 3
+    stages) is a PyTorch tuning hint not taken, with a warning, unless family='sm80' makes it a choice."""
+    monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_80")
+    monkeypatch.setattr(warnings_once, "_seen", set())
+    planning._make_spec_cached.cache_clear()
+    query = torch.empty(1, 2, 300, 128, dtype=torch.bfloat16)
+    default = planning.make_spec("fwd", query, V.softcap(30.0), V.causal, None)
+    taken = planning.make_spec("fwd", query, V.softcap(30.0), V.causal, {"BLOCK_M": 64, "BLOCK_N": 32})
+    assert (taken.family, taken.block_m, taken.block_n) == ("sm80", 64, 32)
+    for hint in ({"BLOCK_M": 32, "BLOCK_N": 32}, {"num_stages": 3}):
+        with pytest.warns(UserWarning, match="taken as a tuning hint .* the default tile runs"):
+            assert planning.make_spec("fwd", query, V.softcap(30.0), V.causal, hint) is default
+        with pytest.raises(ValueError, match="allowed values"):
+            planning.make_spec("fwd", query, V.softcap(30.0), V.causal, {"family": "sm80", **hint})
+
+
 def test_backward_plans_with_what_the_call_has(monkeypatch):
     """Buffer gradients and the block mask's blocks reach the plan; emit takes the same."""
     monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: "sm_90a")

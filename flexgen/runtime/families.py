@@ -20,6 +20,10 @@ from .schedule import (TAIL_REACH, TailChoice, chunk_by_tail, head_chunk, kv_spl
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
+class TileError(ValueError):
+    """A tile kernel_options chose that the family's templates do not run."""
+
+
 @dataclass(frozen=True)
 class Call:
     """One kernel a caller wants, as a family sees it."""
@@ -196,17 +200,17 @@ class SM80(Family):
         MMA tiles per warp, BLOCK_N whole 16-wide steps), checked before anything is compiled."""
         warps = cfg["num_warps"]
         if warps not in self.FWD_WARPS:
-            raise ValueError(f"flex_attention: kernel_options num_warps={warps}; allowed values are {self.FWD_WARPS}")
+            raise TileError(f"flex_attention: kernel_options num_warps={warps}; allowed values are {self.FWD_WARPS}")
         rows = (16 * warps, 32 * warps)
         if cfg["block_m"] not in rows:
-            raise ValueError(f"flex_attention: kernel_options BLOCK_M={cfg['block_m']} with num_warps={warps}; "
-                             f"allowed values are {rows} (16 or 32 rows per warp) for the sm80 forward")
+            raise TileError(f"flex_attention: kernel_options BLOCK_M={cfg['block_m']} with num_warps={warps}; "
+                            f"allowed values are {rows} (16 or 32 rows per warp) for the sm80 forward")
         if cfg["block_n"] not in self.FWD_BLOCK_N:
-            raise ValueError(f"flex_attention: kernel_options BLOCK_N={cfg['block_n']}; allowed values are "
-                             f"{self.FWD_BLOCK_N} for the sm80 forward")
+            raise TileError(f"flex_attention: kernel_options BLOCK_N={cfg['block_n']}; allowed values are "
+                            f"{self.FWD_BLOCK_N} for the sm80 forward")
         if cfg["num_stages"] not in self.FWD_STAGES:
-            raise ValueError(f"flex_attention: kernel_options num_stages={cfg['num_stages']}; allowed values are "
-                             f"{self.FWD_STAGES}")
+            raise TileError(f"flex_attention: kernel_options num_stages={cfg['num_stages']}; allowed values are "
+                            f"{self.FWD_STAGES}")
 
     def forward_grid(self, spec: KernelSpec, p, q, k, block_mask) -> tuple[tuple, tuple]:
         if not spec.option("split_kv", False):

@@ -18,7 +18,7 @@ from ..dsl.graph import postorder
 from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
 from ..warnings_once import warn_once
-from .families import TILE_FIELDS, Call, choose
+from .families import TILE_FIELDS, Call, TileError, choose
 from .schedule import sm_count
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -133,20 +133,30 @@ def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch
                 flags.append(("split_rows", split_rows))
         return plan(kind, current_arch(device), head_dim, DTYPES[query_dtype], score_expr, mask_expr,
                     family=options.get("family"), tiles=tuple(sorted(tiles.items())), dropout=dropout,
-                    grad_buffers=grad_buffers, deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
+                    grad_buffers=grad_buffers,
+                    deterministic=bool(options.get("deterministic", False)) and kind == "bwd",
                     mask_block=mask_block, blocks_follow_mask=blocks_follow_mask, extra=tuple(sorted(flags)))
 
     if tiles and options.get("family") is None:
         # PyTorch's tile options tune its Triton kernels; ported code carries them. Where the sm90 kernels (fixed
-        # tiles) would run the call, they do: the options would otherwise buy a slower family.
+        # tiles) would run the call, they do: the options would otherwise buy a slower family. A tile the sm80
+        # templates do not run (Triton's 32-row tiles of 4 warps, 3 stages) is a hint not taken. With the family
+        # named, tiles are choices, and such a tile is an error.
         untiled = planned({})
+        pass_tiles = CALL_FWD_TILES if kind == "fwd" else CALL_BWD_TILES
+        names = ", ".join(sorted(name for name in options if name in pass_tiles))
         if untiled.family == "sm90":
-            names = sorted(name for name in options if name in (CALL_FWD_TILES if kind == "fwd" else CALL_BWD_TILES))
-            warn_once(f"flex_attention: kernel_options {', '.join(names)} choose tiles of the sm80 kernels (in "
-                      "PyTorch, of its Triton kernels); on this GPU the sm90 kernels run, whose tiles are fixed, "
-                      "so they are ignored; kernel_options={'family': 'sm80', ...} runs the sm80 kernels on them")
+            warn_once(f"flex_attention: kernel_options {names} choose tiles of the sm80 kernels (in PyTorch, of its "
+                      "Triton kernels); on this GPU the sm90 kernels run, whose tiles are fixed, so they are "
+                      "ignored; kernel_options={'family': 'sm80', ...} runs the sm80 kernels on them")
             return untiled
-    return planned(tiles)  # (tiles the sm80 templates cannot run are refused here)
+        try:
+            return planned(tiles)
+        except TileError as e:
+            warn_once(f"{e}; taken as a tuning hint (PyTorch's, for its Triton kernels), so the default tile runs; "
+                      "with kernel_options={'family': 'sm80', ...} such a tile is an error")
+            return untiled
+    return planned(tiles)  # (tiles the templates cannot run are refused here)
 
 
 _make_spec_cached = functools.lru_cache(maxsize=1024)(_make_spec)
