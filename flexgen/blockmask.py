@@ -283,15 +283,13 @@ class BlockMask:
         # leaves such blocks out.
         kv_num, kv_idx, fkv_num, fkv_idx = _torch_lists_inside(kv_num, kv_idx, fkv_num, fkv_idx, n_kv)
         q_num, q_idx, fq_num, fq_idx = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
-        q_blocks = kv_idx.shape[-2]
-        q_idx, fq_idx = _full_width(q_idx, q_blocks), _full_width(fq_idx, q_blocks)
         if q_num is None:
             made = cls.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, bm.BLOCK_SIZE, bm.mask_mod, bm.seq_lengths)
             q_num, q_idx, fq_num, fq_idx = made.q_num_blocks, made.q_indices, made.full_q_num_blocks, made.full_q_indices
         return cls(
             tuple(bm.seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx,
             q_num, q_idx, fq_num, fq_idx, _pair(bm.BLOCK_SIZE), bm.mask_mod,
-        )._with_batch_and_heads()
+        )._with_batch_and_heads()._with_full_width()
 
     def _with_full_width(self) -> "BlockMask":
         """The mask with lists a column per block: kv lists as wide as the KV blocks of its sequence, q lists as

@@ -75,15 +75,24 @@ def block_lists(counts, indices, n_kv_blocks: int, prefix: str, where: str,
         )
     if counts.device != indices.device:
         raise ValueError(f"{where}: {prefix}_num_blocks is on {counts.device} but {prefix}_indices on {indices.device}")
+    if values:  # (traced lists hold none: a boolean index of them would not even have a size)
+        _check_values(counts, indices, n_kv_blocks, prefix, where)
+    while indices.dim() < 4:  # (nQ, nKV) or (H, nQ, nKV): B and H of size 1 broadcast
+        counts, indices = counts.unsqueeze(0), indices.unsqueeze(0)
+    return counts.to(torch.int32), indices.to(torch.int32)
+
+
+def _check_values(counts, indices, n_kv_blocks: int, prefix: str, where: str) -> None:
+    """Counts within a row's width, listed blocks within the sequence."""
     width = indices.shape[-1]
-    if values and counts.numel():
+    if counts.numel():
         low, high = int(counts.min()), int(counts.max())
         if low < 0 or high > width:
             raise ValueError(
                 f"{where}: {prefix}_num_blocks must lie in [0, {width}] (the length of a row of {prefix}_indices), "
                 f"got values from {low} to {high}"
             )
-    used = indices[torch.arange(width, device=indices.device) < counts.unsqueeze(-1)] if values else indices[:0]
+    used = indices[torch.arange(width, device=indices.device) < counts.unsqueeze(-1)]
     if used.numel():
         low, high = int(used.min()), int(used.max())
         if low < 0 or high >= n_kv_blocks:
@@ -91,9 +100,6 @@ def block_lists(counts, indices, n_kv_blocks: int, prefix: str, where: str,
                 f"{where}: {prefix}_indices lists KV block {low if low < 0 else high}; block numbers must lie in "
                 f"[0, {n_kv_blocks}) (the KV blocks of the sequence, at most one per column of {prefix}_indices)"
             )
-    while indices.dim() < 4:  # (nQ, nKV) or (H, nQ, nKV): B and H of size 1 broadcast
-        counts, indices = counts.unsqueeze(0), indices.unsqueeze(0)
-    return counts.to(torch.int32), indices.to(torch.int32)
 
 
 def no_repeats(counts: torch.Tensor, dense: torch.Tensor, prefix: str, where: str) -> None:
