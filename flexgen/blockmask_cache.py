@@ -7,6 +7,8 @@ import weakref
 
 import torch
 
+from .cuda_graphs import allocating_for_a_graph
+
 _MAX_ENTRIES = 256
 _entries: dict[tuple, tuple] = {}
 
@@ -31,6 +33,6 @@ def _versions(counts: torch.Tensor, full: torch.Tensor | None, also: tuple = ())
 
 
 def capturing(counts: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured, when nothing cached is handed out: a graph keeps the address it
-    was captured with, and a cached tensor may be freed while the graph lives."""
-    return counts.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether allocations belong to a CUDA graph now (cuda_graphs.py), when nothing is cached or handed out
+    from the cache."""
+    return counts.is_cuda and allocating_for_a_graph()

@@ -238,3 +238,25 @@ def test_a_compiled_create_block_mask_over_a_buffer_read_by_batch(isolated_kerne
     base, _ = lowp_attention(q, k, v, None, mask, D ** -0.5)
     err, bar = ((x.double() - ref).norm().item() for x in (out, base))  # (rows past a length: zeros in all three)
     assert not torch.isnan(out).any() and err <= 2 * bar + 1e-5, (err, bar, seed)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_cuda_graph_modes_keep_no_allocation_of_their_own(isolated_kernel_cache, mode):
+    """torch.compile's CUDA-graph modes (cudagraph trees) require every allocation left alive in a graph's pool to
+    be an output: what flexgen keeps across calls (the sm90 forward's per-stream tile counter, the work orders kept
+    per mask) is made afresh while they warm up. Forward and backward, repeated (warm-up, recording, replays),
+    equal eager calls."""
+    torch._dynamo.reset()
+    q, k, v, do = _inputs()
+    bm = flexgen.create_block_mask(_causal, None, None, L, L, device=DEV)
+    fn = torch.compile(lambda q, k, v, m: flexgen.flex_attention(q, k, v, block_mask=m), fullgraph=True,
+                       dynamic=True, mode=mode)
+    want = flexgen.flex_attention(q, k, v, block_mask=bm)
+    for _ in range(4):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fn(qs, ks, vs, bm)
+        out.backward(do)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.detach().clone(), want, atol=0, rtol=0)
+        assert not torch.isnan(qs.grad).any() and not torch.isnan(ks.grad).any() and not torch.isnan(vs.grad).any()

@@ -186,13 +186,18 @@ def test_backward_turns_of_documents_and_their_cache():
     assert kv_tile_turns(bm, 128, num_kv_tiles, 1, 4, 4, 11) is not turns
 
 
-def test_a_tail_choice_keeps_the_bound_until_the_costs_have_arrived():
+def test_a_tail_choice_keeps_the_bound_until_the_costs_have_arrived(monkeypatch):
     """On a GPU the costs come back by a copy that nothing waits for: until its event has completed the bound (the
-    wave rule) is the answer, then the model's, at every launch that fills its parameters."""
+    wave rule) is the answer, then the model's, at every launch that fills its parameters. A launch captured in a
+    CUDA graph may not query the event: it keeps the bound."""
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
     class Event:
         done = False
 
         def query(self):
+            assert not capturing[0], "an event queried during a capture"
             return self.done
 
     def causal(b, h, q_idx, kv_idx):
@@ -205,6 +210,9 @@ def test_a_tail_choice_keeps_the_bound_until_the_costs_have_arrived():
     p = types.SimpleNamespace(head_chunk=0)
     choice.fill(p)
     assert p.head_chunk == 3 and choice.value() == 3
-    event.done = True
+    event.done = capturing[0] = True
+    choice.fill(p)
+    assert p.head_chunk == 3
+    capturing[0] = False
     choice.fill(p)
     assert p.head_chunk == 2 == chunk_by_tail(bm, 192, 32, 132, 3)  # (the shortest tail: the test above)

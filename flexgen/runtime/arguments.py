@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from ..cuda_graphs import allocating_for_a_graph
 from ..dsl.mod import Mod
 
 
@@ -35,6 +36,8 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == device:
         return hit[3]
     copy = t.detach().to(device)
+    if device.type == "cuda" and allocating_for_a_graph():  # (kept, it would outlive the graph's own memory)
+        return copy
     key = id(t)
     _device_copies[key] = (weakref.ref(t, lambda _: _device_copies.pop(key, None)), t._version, device, copy)
     return copy

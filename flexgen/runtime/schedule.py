@@ -9,6 +9,7 @@ import heapq
 import torch
 
 from ..blockmask_cache import cached_per_mask, capturing
+from ..cuda_graphs import allocating_for_a_graph
 
 # The K and V of one chunk of (batch, head) pairs should take at most this share of the L2 cache: they are
 # read by every CTA working on the chunk, while Q, O and the next chunk's K and V pass through beside them.
@@ -67,8 +68,8 @@ class TailChoice:
 
     def value(self) -> int:
         if self._chosen is None:
-            if self._ready is not None and not self._ready.query():
-                return self.bound
+            if self._ready is not None and (torch.cuda.is_current_stream_capturing() or not self._ready.query()):
+                return self.bound  # (a capture may not query an event: the graph keeps the bound)
             self._chosen = _chunk_by_tail(tuple(self._costs.tolist()), self.pairs, self.ctas, self.bound)
             self._costs = self._ready = None
         return self._chosen
@@ -201,9 +202,9 @@ _counters: dict[tuple[int, int], torch.Tensor] = {}
 def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     """A zeroed int32 the sm90 forward, launched on `stream` (the current one of `device`, a raw pointer), draws
     work tiles from. The kernel leaves it zero when it ends, so one counter serves every launch on a stream
-    (launches on one stream never overlap); each stream has its own. Under CUDA graph capture a fresh one is
-    made, its zeroing captured with the graph."""
-    if torch.cuda.is_current_stream_capturing():
+    (launches on one stream never overlap); each stream has its own. Where allocations belong to a CUDA graph
+    (cuda_graphs.py) a fresh one is made, its zeroing captured with the graph."""
+    if allocating_for_a_graph():
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (device.index, stream)
     counter = _counters.get(key)
