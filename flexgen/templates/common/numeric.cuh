@@ -20,8 +20,8 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return r;
 }
 
-// Two non-negative floats -> bf16x2 by truncation: one byte permute keeps both high halves, where cvt would take
-// the quarter-rate unit that also computes the exponentials. Unbiased for values first scaled by 1 + TRUNC_BIAS:
+// Two non-negative floats -> bf16x2 by truncation: one byte permute keeps both high halves, off the conversion unit
+// that cvt takes (docs/forward-sm90.md measures the difference). Unbiased for values first scaled by 1 + TRUNC_BIAS:
 // truncation takes off 2^-8 / m of a value on average (m its significand, in [1, 2)), 0.72 x 2^-8 for significands
 // spread evenly in log, as those of exponentials are; the error stays within 0.72 of a bf16 unit either way
 // (round to nearest: 0.5).
