@@ -220,27 +220,30 @@ class BlockMask:
         # Traced lists hold no values to check: they are made safe instead (counts within a row, blocks outside
         # the sequence left out, on the device, as PyTorch's masks are in from_torch); repeats go unchecked.
         traced = torch.compiler.is_compiling()
-        kv_num_blocks, kv_indices = check.block_lists(kv_num_blocks, kv_indices, kv_blocks, "kv", where, not traced)
-        if traced:
-            kv_num_blocks, kv_indices = lists_inside(kv_num_blocks, kv_indices, kv_blocks)
-        partial = lists_to_dense(kv_num_blocks, kv_indices, n_kv)
-        if not traced:
-            check.no_repeats(kv_num_blocks, partial, "kv", where)
+
+        def lists(counts, indices, prefix):
+            counts, indices = check.block_lists(counts, indices, kv_blocks, prefix, where, not traced)
+            return lists_inside(counts, indices, kv_blocks) if traced else (counts, indices)
+
+        def dense(counts, indices, prefix):
+            blocks = lists_to_dense(counts, indices, n_kv)
+            if not traced:
+                check.no_repeats(counts, blocks, prefix, where)
+            return blocks
+
+        kv_num_blocks, kv_indices = lists(kv_num_blocks, kv_indices, "kv")
+        partial = dense(kv_num_blocks, kv_indices, "kv")
         q_num, q_idx = dense_to_lists(partial.transpose(-1, -2)) if compute_q_blocks else (None, None)
         fq_num = fq_idx = None
         if full_kv_num_blocks is not None:
-            full_kv_num_blocks, full_kv_indices = check.block_lists(full_kv_num_blocks, full_kv_indices, kv_blocks,
-                                                                    "full_kv", where, not traced)
-            if traced:
-                full_kv_num_blocks, full_kv_indices = lists_inside(full_kv_num_blocks, full_kv_indices, kv_blocks)
+            full_kv_num_blocks, full_kv_indices = lists(full_kv_num_blocks, full_kv_indices, "full_kv")
             if full_kv_indices.shape[-2] != kv_indices.shape[-2] or full_kv_indices.device != kv_indices.device:
                 raise ValueError(
                     f"{where}: full_kv_indices {tuple(full_kv_indices.shape)} on {full_kv_indices.device} must match "
                     f"kv_indices {tuple(kv_indices.shape)} on {kv_indices.device} in nQ and device"
                 )
-            full = lists_to_dense(full_kv_num_blocks, full_kv_indices, n_kv)
+            full = dense(full_kv_num_blocks, full_kv_indices, "full_kv")
             if not traced:
-                check.no_repeats(full_kv_num_blocks, full, "full_kv", where)
                 check.disjoint(partial, full, where)
             if compute_q_blocks:
                 fq_num, fq_idx = dense_to_lists(full.transpose(-1, -2))

@@ -87,14 +87,13 @@ def check_block_mask_shape(seq_lengths, kv_num_blocks: torch.Tensor, query: torc
         smaller = q_len > seq_lengths[0] or kv_len > seq_lengths[1]
         crop = "" if smaller else f", or crop it with block_mask._adjust({q_len}, {kv_len}) where its mask_mod allows"
         which = "smaller" if smaller else "larger"
+        head = f"flex_attention: block_mask was created for a {which} length than it is used for"
         if torch.compiler.is_compiling():  # (a message over traced sizes reaches a fullgraph caller unformatted)
             raise BlockMaskLengthError(
-                f"flex_attention: block_mask was created for a {which} length than it is used for: its (Q_LEN, "
-                "KV_LEN) differ from the query's and key's lengths; build one with create_block_mask(..., Q_LEN, "
-                "KV_LEN) of the inputs (the eager call's error names them)")
+                f"{head}: its (Q_LEN, KV_LEN) differ from the query's and key's lengths; build one with "
+                "create_block_mask(..., Q_LEN, KV_LEN) of the inputs (the eager call's error names them)")
         raise BlockMaskLengthError(
-            f"flex_attention: block_mask was created for a {which} length than it is "
-            f"used for: block_mask.shape={shape} but got q_len={q_len} and kv_len={kv_len}; build a new one with "
+            f"{head}: block_mask.shape={shape} but got q_len={q_len} and kv_len={kv_len}; build a new one with "
             f"create_block_mask(..., Q_LEN={q_len}, KV_LEN={kv_len}){crop}"
         )
     if kv_num_blocks.device != query.device:
