@@ -22,6 +22,7 @@ No CUDA header is needed: 16-bit buffers are read as raw `unsigned short` bits.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import struct
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..dsl import inline_asm
 from ..dsl.affine import AffineScore
 from ..dsl.folds import score_fold
 from ..dsl.graph import postorder
@@ -370,6 +372,8 @@ class _Body:
             return self._cast(n.args[0].dtype, n.dtype, a[0])
         if op == "where":
             return f"({a[0]} ? {a[1]} : {a[2]})"
+        if op == inline_asm.OP:
+            return _call(self._helper(_asm_helper(n)), a)
         is_float = n.args[0].dtype is DType.FLOAT32 if n.args else False
         # an integer + - * neg abs whose operands' ranges rule out overflow keeps C's operator
         exact = n.dtype.is_int and self.ranges.get(n.digest) is not None
@@ -468,12 +472,38 @@ def header_sections(name: str) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def _helper_text(used: set[str]) -> str:
+    """The helper functions named in `used`: sections of score_math.cuh (with the sections they need), then the
+    variant's inline-asm functions (`_asm_helper`)."""
     sections = header_sections("score_math.cuh")
+    asm = sorted(name for name in used if name in _ASM_HELPERS)
+    used = used - set(asm)
     pending = list(used)
     while pending:
         pending = [need for name in pending for need in sections[name][1] if need not in used]
         used = used | set(pending)
-    return "\n".join(text for name, (text, _) in sections.items() if name in used)
+    return "\n".join([text for name, (text, _) in sections.items() if name in used] + [_ASM_HELPERS[n] for n in asm])
+
+
+_ASM_HELPERS: dict[str, str] = {}  # fg_asm_<digest> -> its device function (the text is a function of the name)
+
+
+def _asm_helper(node: Node) -> str:
+    """The name of a device function computing an inline-asm node from its operands: one per distinct asm, operand
+    types and result type, whatever the operands are."""
+    asm_str, constraints, pack = node.attr
+    types = [CTYPE[a.dtype] for a in node.args]
+    key = "|".join([asm_str, constraints, str(pack), CTYPE[node.dtype], *types])
+    name = f"fg_asm_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if name not in _ASM_HELPERS:
+        _ASM_HELPERS[name] = "\n".join([
+            f"// inline PTX (inline_asm_elementwise), constraints {_comment(repr(constraints))}, pack={pack}:",
+            *(f"//   {_comment(line)}" for line in asm_str.strip().splitlines()),
+            f"__device__ __forceinline__ {CTYPE[node.dtype]} {name}({', '.join(f'{t} in{k}' for k, t in enumerate(types))}) {{",
+            inline_asm.asm_statement(node, [f"in{k}" for k in range(len(types))], "out"),
+            "    return out;",
+            "}",
+        ])
+    return name
 
 
 def _grad_slots(sites: int, deterministic: bool) -> str:
@@ -575,7 +605,7 @@ def _score_bwd_fn(expr: Node | None, grad_names: tuple[str, ...], names, helpers
     from ..dsl import derivative  # written alongside; imported only when a backward kernel is lowered
 
     dscore = derivative.grad_score(expr)
-    partials = [(ld, p) for ld, p in derivative.grad_buffers(expr) if ld.attr.name in grad_names]
+    partials = derivative.grad_buffers(expr, names=grad_names)
     # a grad buffer with no differentiable read (e.g. only compared) simply gets no contributions
     zero = sorted(set(grad_names) - {ld.attr.name for ld, _ in partials})
     roots = [dscore]

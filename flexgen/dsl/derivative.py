@@ -27,9 +27,12 @@ Derivatives follow torch autograd's conventions at the kinks, so they match
 from __future__ import annotations
 
 import math
+from typing import Collection
 
-from . import ir
+from . import inline_asm, ir
+from .errors import UnsupportedOperationError
 from .ir import DType, Node, postorder
+from .printer import pretty
 from .simplify import simplify
 
 F32 = DType.FLOAT32
@@ -42,13 +45,13 @@ def grad_score(root: Node) -> Node:
     return grad_wrt(root, ir.input_("score"))
 
 
-def grad_buffers(root: Node, drop_zero: bool = True) -> list[tuple[Node, Node]]:
-    """(load node, d root / d loaded value) for each distinct float-buffer load in `root`,
-    in first-use order. Loads whose partial simplifies to the constant 0 are left out
+def grad_buffers(root: Node, drop_zero: bool = True, names: Collection[str] | None = None) -> list[tuple[Node, Node]]:
+    """(load node, d root / d loaded value) for each distinct float-buffer load in `root` (of the buffers in
+    `names`, where given), in first-use order. Loads whose partial simplifies to the constant 0 are left out
     unless `drop_zero` is False (their buffers then get no gradient contributions)."""
     out = []
     for n in postorder(root):
-        if n.op == "load" and n.dtype is F32:
+        if n.op == "load" and n.dtype is F32 and (names is None or n.attr.name in names):
             d = grad_wrt(root, n)
             if drop_zero and d.op == "const" and d.attr == 0.0:
                 continue
@@ -144,6 +147,8 @@ def _rule(n: Node, ds: list[Node | None]) -> Node | None:
     op = n.op
     if all(x is None for x in ds):
         return None
+    if op == inline_asm.OP:
+        raise UnsupportedOperationError(inline_asm.NO_DERIVATIVE.format(pretty(n, 160)))
     if op == "where":
         c = n.args[0]
         _, da, db = ds

@@ -7,7 +7,8 @@ lowering's fg_floordiv / fg_mod do the same; INT_MIN // -1 is INT_MIN and INT_MI
 gives them). On two bools, `+` / `*` are logical or / and (ir.binary builds them so), as in torch. A float cast to an integer truncates toward zero
 and saturates at the type's bounds, NaN giving 0, as the GPU's cvt.rzi does (torch on a CPU
 gives INT_MIN instead). Floats evaluate in `float_dtype` (float64 for the ground truth, float32
-to mirror the kernels). Index inputs broadcast, so one call covers a whole (b, h, q, kv) grid.
+to mirror the kernels). Index inputs broadcast, so one call covers a whole (b, h, q, kv) grid. Inline PTX
+(inline_asm.py) runs through PyTorch's Jiterator, on a CUDA device only.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Mapping
 
 import torch
 
+from . import inline_asm
 from .ir import DType, Node, postorder
 
 _UNARY = {
@@ -185,6 +187,8 @@ def _saturating_int(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
 
 def _apply(n: Node, args: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
     op = n.op
+    if op == inline_asm.OP:
+        return inline_asm.evaluate(n, args, dt)
     if op == "cast":
         x = args[0]
         if x.dtype.is_floating_point and not dt.is_floating_point and dt is not torch.bool:

@@ -57,7 +57,8 @@ LOGIC_OPS = ("and", "or", "xor")
 BITWISE_OPS = ("bitand", "bitor", "bitxor")
 BINARY_OPS = ARITH_OPS + COMPARE_OPS + LOGIC_OPS + BITWISE_OPS
 LEAF_OPS = ("input", "const", "param")
-ALL_OPS = LEAF_OPS + ("load", "cast", "where") + UNARY_OPS + BINARY_OPS
+# inline_asm: user PTX over its operands (inline_asm.py builds and checks it; attr = (asm_str, constraints, pack))
+ALL_OPS = LEAF_OPS + ("load", "cast", "where", "inline_asm") + UNARY_OPS + BINARY_OPS
 
 
 class IRTypeError(TypeError):
@@ -104,7 +105,8 @@ class BufferSpec:
 @dataclass(frozen=True, eq=False)
 class Node:
     """One IR operation. `attr` holds the leaf payload (input name, constant, param name,
-    BufferSpec for loads, target DType for casts) and is None otherwise."""
+    BufferSpec for loads, target DType for casts, (asm_str, constraints, pack) for inline_asm) and is None
+    otherwise."""
 
     op: str
     dtype: DType

@@ -296,7 +296,7 @@ class _Analyzer:
             value = self.visit_int(n, args)
             # loads and parameters are in range by their type (their bounds may be loose), and
             # where/min/max pick an operand: only arithmetic (and the inputs' ranges) can leave it
-            if n.op not in ("load", "param", "where", "min", "max"):
+            if n.op not in ("load", "param", "where", "min", "max", "inline_asm"):
                 self.check_fits(n.dtype, value.lo, value.hi)
             return value
         return self.visit_float(n, args)

@@ -8,6 +8,8 @@ the Python form of one variant produce identical IR.
 """
 from __future__ import annotations
 
+import ast
+
 import difflib
 import functools
 import math
@@ -213,7 +215,10 @@ class Evaluator:
         return float(text) if any(c in text for c in ".eE") else int(text)
 
     def _string(self, token: Token) -> str:
-        return token.value[1:-1]
+        try:
+            return ast.literal_eval(token.value)  # a string literal only: the grammar admits nothing else here
+        except (SyntaxError, ValueError) as e:
+            raise self.error(token.line, token.column, f"bad string literal {token.value}: {e}") from None
 
     def _name(self, token: Token) -> Any:
         name = token.value

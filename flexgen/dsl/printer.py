@@ -60,6 +60,11 @@ def _format(n, args: list[tuple[str, int]]) -> tuple[str, int]:
         return f"not {_paren(args[0], 2)}", 1
     if op in ("min", "max"):
         return f"{op}imum({args[0][0]}, {args[1][0]})", _ATOM
+    if op == "inline_asm":
+        asm_str, constraints, pack = n.attr
+        extra = f", pack={pack}" if pack != 1 else ""
+        return (f"inline_asm_elementwise({', '.join(a[0] for a in args)}, asm_str={asm_str!r}, "
+                f"constraints={constraints!r}, dtype=torch.{n.dtype.value}{extra})"), _ATOM
     if op in _INFIX:
         sym, prec = _INFIX[op]
         if op == "pow":

@@ -155,7 +155,7 @@ def _to_f32(v: float) -> float:
 
 def _rewrite(n: Node) -> Node | None:
     op, args = n.op, n.args
-    if op in ("const", "input", "param", "load"):
+    if op in ("const", "input", "param", "load", "inline_asm"):  # (user PTX is opaque, and runs only on a GPU)
         return None
     if all(a.op == "const" for a in args):
         return _fold(n)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import functional, ir, vectors
+from . import functional, inline_asm, ir, vectors
 from .errors import (
     ControlFlowError,
     FlexgenTraceError,
@@ -200,6 +200,9 @@ class Tracer:
             return ir.cast(args[0], n.attr)
         if n.op == "where":
             return ir.where(*args)
+        if n.op == inline_asm.OP:
+            asm_str, constraints, pack = n.attr
+            return inline_asm.inline_asm(tuple(args), asm_str, constraints, n.dtype, pack)
         if n.op in ir.UNARY_OPS:
             return ir.unary(n.op, args[0])
         return ir.binary(n.op, args[0], args[1])
@@ -538,6 +541,21 @@ def to_dtype(tracer: Tracer, x: Value, *args: Any, **kwargs: Any) -> "Proxy":
     return Proxy(tracer, node if dtype is None else cast(tracer, node, dtype))
 
 
+def asm_elementwise(tracer: Tracer, *inputs: Value, asm_str: Any, constraints: Any, dtype: Any,
+                    is_pure: Any = True, pack: Any = 1) -> "Proxy":
+    """PyTorch's inline_asm_elementwise (torch.ops.higher_order, torch 2.13 and newer): the PTX goes into the kernel
+    as written (dsl/inline_asm.py)."""
+    if is_pure is not True:
+        raise tracer.error(UnsupportedOperationError, "inline_asm_elementwise only supports is_pure=True (as in PyTorch)")
+    result = inline_asm.RESULT_TYPES.get(str(dtype).removeprefix("torch."))
+    if result is None:
+        raise tracer.error(UnsupportedOperationError,
+                           f"inline_asm_elementwise: dtype {dtype} is not supported; the result is torch.float32, "
+                           "torch.int32 or torch.int64 (for a bool, return an int32 and compare it with 0)")
+    args = tuple(to_node(tracer, x) for x in inputs)
+    return Proxy(tracer, inline_asm.inline_asm(args, asm_str, constraints, result, pack))
+
+
 # Casts to a 16-bit float round the value to that precision and keep it as a float32 (what
 # x.half().float() gives). Arithmetic on the result stays float32, where eager torch would round
 # again after every operation on a 16-bit value.
@@ -720,6 +738,7 @@ FUNCTIONS: dict[str, Callable] = {
     "zeros_like": lambda t, x, dtype=None, **k: constant_like(t, x, 0, dtype),
     "ones_like": lambda t, x, dtype=None, **k: constant_like(t, x, 1, dtype),
     "full_like": lambda t, x, fill_value, dtype=None, **k: constant_like(t, x, fill_value, dtype),
+    "inline_asm_elementwise": asm_elementwise,
     "__getitem__": index,
 }
 
