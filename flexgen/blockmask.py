@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import blockmask_dq_order as dq_order
 from . import blockmask_validate as check
 from .blockmask_cache import cached_per_mask, capturing
 from .dsl.mod import Mod
@@ -175,17 +176,28 @@ class BlockMask:
     mask_mod: Any = None
     # The mask_mod the lists were computed from (create_block_mask), else _NOT_DERIVED: see blocks_follow_mask_mod.
     blocks_from: Any = field(default=_NOT_DERIVED, repr=False, compare=False)
+    # PyTorch's deterministic-dQ metadata (blockmask_dq_order.py), keyword-only as in its constructor.
+    dq_write_order: torch.Tensor | None = field(default=None, kw_only=True, repr=False, compare=False)
+    dq_write_order_full: torch.Tensor | None = field(default=None, kw_only=True, repr=False, compare=False)
+    dq_kv_order: torch.Tensor | None = field(default=None, kw_only=True, repr=False, compare=False)
+    dq_kv_order_spt: bool | None = field(default=None, kw_only=True, repr=False, compare=False)
 
     # PyTorch's pytree layout (BlockMask._flatten / _unflatten): the index tensors that are present, then the rest.
     _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-    _CONTEXT_ATTRS = ("seq_lengths", "BLOCK_SIZE", "mask_mod", "blocks_follow_mask_mod")
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+                     "dq_write_order", "dq_write_order_full", "dq_kv_order")
+    _CONTEXT_ATTRS = ("seq_lengths", "BLOCK_SIZE", "mask_mod", "blocks_follow_mask_mod", "dq_kv_order_spt")
 
     def __post_init__(self):
         # (AssertionError, as PyTorch's BlockMask raises for these)
         for kind in ("kv", "q"):
             if (getattr(self, f"full_{kind}_num_blocks") is None) != (getattr(self, f"full_{kind}_indices") is None):
                 raise AssertionError(f"BlockMask: full_{kind}_num_blocks and full_{kind}_indices must be both provided or omitted")
+        dq_order.check(self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt, "BlockMask")
+
+    def _dq_kv_order(self) -> torch.Tensor | bool | None:
+        """The scheduler order the dQ metadata was ranked in: the explicit one, else the built-in one (PyTorch's)."""
+        return self.dq_kv_order if self.dq_kv_order is not None else self.dq_kv_order_spt
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -199,16 +211,23 @@ class BlockMask:
         mask_mod: Callable | Mod | None = None,
         seq_lengths: tuple[int, int] | None = None,
         compute_q_blocks: bool = True,
+        *,
+        dq_write_order: torch.Tensor | None = None,
+        dq_write_order_full: torch.Tensor | None = None,
+        dq_kv_order: torch.Tensor | bool | None = None,
     ) -> "BlockMask":
         """A mask from PyTorch's lists: for each query block, `kv_num_blocks` partial KV blocks
         listed first in `kv_indices` (mask_mod applied), and optionally the full ones.
         compute_q_blocks=False leaves the transposed lists out (the forward does not read them; a backward
-        builds them when it needs them).
+        builds them when it needs them). The dq_* arguments are PyTorch's deterministic-dQ metadata, carried as
+        given (blockmask_dq_order.py): dq_kv_order a tensor order or a bool for a built-in one.
 
         Shapes (B, H, nQ) and (B, H, nQ, nKV) (B and H may be left out, or be 1 to broadcast).
         Everything is checked here: counts within a row's length, block numbers within the
         sequence, no block listed twice, none both partial and full."""
         where = "BlockMask.from_kv_blocks"
+        order_tensor, order_spt = dq_order.split_order(dq_kv_order)
+        dq_order.check(dq_write_order, dq_write_order_full, order_tensor, order_spt, where)
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError(f"{where}: full_kv_num_blocks and full_kv_indices must be given together")
         bq, bkv = check.block_size(BLOCK_SIZE, where)
@@ -259,6 +278,10 @@ class BlockMask:
             full_q_indices=fq_idx,
             BLOCK_SIZE=(bq, bkv),
             mask_mod=mask_mod,
+            dq_write_order=dq_write_order,
+            dq_write_order_full=dq_write_order_full,
+            dq_kv_order=order_tensor,
+            dq_kv_order_spt=order_spt,
         )
 
     @classmethod
@@ -346,7 +369,8 @@ class BlockMask:
         fields = dict.fromkeys(absent)
         fields.update(zip(cls._present(absent), tensors))
         return cls(seq_lengths=tuple(ctx["seq_lengths"]), BLOCK_SIZE=tuple(ctx["BLOCK_SIZE"]), mask_mod=ctx["mask_mod"],
-                   blocks_from=ctx["mask_mod"] if ctx["blocks_follow_mask_mod"] else _NOT_DERIVED, **fields)
+                   blocks_from=ctx["mask_mod"] if ctx["blocks_follow_mask_mod"] else _NOT_DERIVED,
+                   dq_kv_order_spt=ctx["dq_kv_order_spt"], **fields)
 
     # ------------------------------------------------------------ views
     @property
@@ -373,14 +397,13 @@ class BlockMask:
 
     def as_tuple(self, flatten: bool = True) -> tuple:
         """The fields in the order of the installed PyTorch's BlockMask.as_tuple (its deterministic-dQ
-        fields, from torch 2.13 on, are None: flexgen has none); `flatten` spreads seq_lengths and
-        BLOCK_SIZE into two ints each."""
+        fields from torch 2.13 on); `flatten` spreads seq_lengths and BLOCK_SIZE into two ints each."""
         lengths = tuple(self.seq_lengths) if flatten else (tuple(self.seq_lengths),)
         block = tuple(self.BLOCK_SIZE) if flatten else (tuple(self.BLOCK_SIZE),)
         return (
             *lengths, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
             self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
-            *(None,) * _torch_dq_fields(), *block, self.mask_mod,
+            *(getattr(self, f) for f in dq_order.FIELDS[:_torch_dq_fields()]), *block, self.mask_mod,
         )
 
     def __getitem__(self, index) -> "BlockMask":
@@ -405,6 +428,7 @@ class BlockMask:
             picks.append(i)
         picks = tuple(picks)
         pick = lambda t: None if t is None else t[picks]  # noqa: E731
+        dq_order.refuse_tensor_order(self, "Slicing")
         sliced = BlockMask.from_kv_blocks(
             pick(self.kv_num_blocks), pick(self.kv_indices), pick(self.full_kv_num_blocks), pick(self.full_kv_indices),
             self.BLOCK_SIZE, sliced_mask_mod if self.mask_mod is not None else None, self.seq_lengths,
@@ -414,7 +438,8 @@ class BlockMask:
         lead = len(sizes) - 1
         drop = [lead_dim for lead_dim in ints if lead_dim < lead] if torch_int_index_drops_dim() else []
         keep = (0,) * (2 - lead) + tuple(0 if d in drop else slice(None) for d in range(lead))
-        return sliced if keep == (slice(None),) * 2 else sliced._map_tensors(lambda t: t[keep])
+        sliced = sliced if keep == (slice(None),) * 2 else sliced._map_tensors(lambda t: t[keep])
+        return replace(sliced, **dq_order.derived(self, sliced))
 
     @property
     def device(self) -> torch.device:
@@ -430,7 +455,9 @@ class BlockMask:
         )
 
     def to(self, device) -> "BlockMask":
-        return self._map_tensors(lambda t: t.to(device))
+        moved = self._map_tensors(lambda t: t.to(device))
+        tensors = {name: getattr(self, name).to(device) for name in dq_order.FIELDS[:3] if getattr(self, name) is not None}
+        return replace(moved, dq_kv_order_spt=self.dq_kv_order_spt, **tensors)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """The mask of the first new_q_len queries and new_kv_len keys: PyTorch's BlockMask._adjust, with which a
@@ -441,8 +468,10 @@ class BlockMask:
                              f"the mask's ({q_len}, {kv_len}); build a new mask for longer sequences")
         bq, bkv = self.BLOCK_SIZE
         partial, full = self.block_states(-(-int(new_q_len) // bq), -(-int(new_kv_len) // bkv))
+        dq_order.refuse_tensor_order(self, "Adjusting")
         adjusted = BlockMask.from_dense_blocks(full, partial, self.BLOCK_SIZE, (int(new_q_len), int(new_kv_len)),
                                                self.mask_mod)
+        adjusted = replace(adjusted, **dq_order.derived(self, adjusted))
         return adjusted.derived_from_mask_mod() if self.blocks_follow_mask_mod else adjusted
 
     def for_batch_and_heads(self, b: int, h: int) -> "BlockMask":

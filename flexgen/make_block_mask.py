@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from . import blockmask_dq_order as dq_order
 from . import blockmask_validate as check
 from .blockmask import DEFAULT_BLOCK_SIZE, BlockMask, block_mask_of, default_device, dense_to_lists, reads_batch_heads
 from .dsl.api import as_mask_mod
@@ -39,9 +40,9 @@ def create_block_mask(
     `device`, a chunk of tiles at a time. B or H of None broadcasts (size 1). device=None
     picks as PyTorch does: the current accelerator (CUDA), else the CPU.
     separate_full_blocks=False lists every visited block as partial (mask_mod applied everywhere), as PyTorch's
-    does; inside a compiled region the lists stay separate (the same attention). compute_dq_write_order and
-    dq_kv_order are PyTorch's metadata for its FLASH backend's deterministic backward, which flexgen's
-    deterministic backward does not need: checked and accepted, the mask carries none.
+    does; inside a compiled region the lists stay separate (the same attention). compute_dq_write_order=True
+    gives the mask PyTorch's deterministic-dQ metadata, ranked in the order dq_kv_order names
+    (blockmask_dq_order.py; eager calls, where the installed torch computes it): flexgen's kernels do not read it.
     """
     where = "create_block_mask"
     for name, value in (("separate_full_blocks", separate_full_blocks),
@@ -61,7 +62,8 @@ def create_block_mask(
     mask = block_mask_of(mod, B or 1, H or 1, Q_LEN, KV_LEN, bq, bkv, device)
     if not separate_full_blocks:
         mask = _full_blocks_as_partial(mask)
-    return mask._broadcast_to(B or 1, H or 1)
+    mask = mask._broadcast_to(B or 1, H or 1)
+    return replace(mask, **dq_order.computed(mask, dq_kv_order)) if compute_dq_write_order else mask
 
 
 def _full_blocks_as_partial(mask: BlockMask) -> BlockMask:

@@ -654,3 +654,79 @@ def test_from_kv_blocks_under_fullgraph_compile():
     assert got_counts.tolist() == [[[4, 1, 1]]] and got_indices[0, 0, 0, :4].tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="must lie in"):  # (eager still refuses them)
         build(counts, indices.to(torch.int32), *listed_first(torch.zeros(1, 1, 3, 5) > 0))
+
+
+# ---------------------------------------------------------------- PyTorch's deterministic-dQ metadata
+
+needs_dq_order = pytest.mark.skipif(not hasattr(fa, "_compute_dq_write_order_from_block_mask"),
+                                    reason="this torch's BlockMask has no deterministic-dQ metadata")
+
+
+@needs_dq_order
+@pytest.mark.parametrize("spt", [True, False])
+@pytest.mark.parametrize("fn, B, H", [(causal, None, None), (per_head_window, 2, 3)])
+def test_create_block_mask_ranks_dq_writes_as_torch_does(fn, B, H, spt):
+    ours = create_block_mask(fn, B, H, 640, 512, device="cpu", BLOCK_SIZE=64, compute_dq_write_order=True,
+                             dq_kv_order=spt)
+    theirs = fa.create_block_mask(fn, B, H, 640, 512, device="cpu", BLOCK_SIZE=64, compute_dq_write_order=True,
+                                  dq_kv_order=spt)
+    assert ours._dq_kv_order() is spt and ours.dq_kv_order is None
+    for name in ("dq_write_order", "dq_write_order_full"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    for a, b in zip(ours.as_tuple(), theirs.as_tuple()):
+        if isinstance(b, torch.Tensor) and b.shape == getattr(theirs, "dq_write_order").shape:
+            assert torch.equal(a, b)
+    plain = create_block_mask(fn, B, H, 640, 512, device="cpu", BLOCK_SIZE=64)
+    assert plain.dq_write_order is None and plain.dq_write_order_full is None
+
+
+@needs_dq_order
+def test_slices_and_adjusted_masks_rank_again_as_torch_does():
+    ours = create_block_mask(per_head_window, 2, 3, 512, 512, device="cpu", BLOCK_SIZE=128,
+                             compute_dq_write_order=True)
+    theirs = fa.create_block_mask(per_head_window, 2, 3, 512, 512, device="cpu", BLOCK_SIZE=128,
+                                  compute_dq_write_order=True)
+    for index in (1, (0, slice(1, 3)), (slice(None), 2)):
+        mine, torchs = ours[index], theirs[index]
+        assert torch.equal(mine.dq_write_order, torchs.dq_write_order), index
+        assert mine._dq_kv_order() is True
+    mine, torchs = ours._adjust(256, 384), theirs._adjust(256, 384)
+    assert torch.equal(mine.dq_write_order, torchs.dq_write_order)
+    moved = ours.to("cpu")
+    assert moved.dq_write_order is not None and moved._dq_kv_order() is True
+
+
+@needs_dq_order
+def test_from_kv_blocks_carries_and_checks_dq_metadata():
+    counts = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    indices = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
+    order = torch.zeros((1, 1, 2, 2), dtype=torch.int32)
+    explicit = torch.tensor([[[1, 0]]], dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(counts, indices, dq_write_order=order, dq_kv_order=explicit)
+    assert mask.dq_write_order is order and mask.dq_kv_order is explicit and mask.dq_write_order_full is None
+    assert BlockMask.from_kv_blocks(counts, indices, dq_write_order=order, dq_kv_order=True)._dq_kv_order() is True
+    with pytest.raises(ValueError, match="dq_kv_order must be a bool, Tensor, or None"):
+        BlockMask.from_kv_blocks(counts, indices, dq_write_order=order, dq_kv_order=1)
+    with pytest.raises(ValueError, match="dq_write_order_full requires dq_write_order"):
+        BlockMask.from_kv_blocks(counts, indices, dq_write_order_full=order)
+    for derive in (lambda m: m[0], lambda m: m._adjust(128, 128)):
+        with pytest.raises(NotImplementedError, match="tensor dq_kv_order"):
+            derive(mask)
+
+
+@needs_dq_order
+def test_dq_metadata_survives_the_pytree_and_a_compiled_call():
+    from torch.utils import _pytree as pytree
+
+    mask = create_block_mask(causal, None, None, 256, 256, device="cpu", compute_dq_write_order=True,
+                             dq_kv_order=False)
+    leaves, spec = pytree.tree_flatten(mask)
+    again = pytree.tree_unflatten(leaves, spec)
+    assert torch.equal(again.dq_write_order, mask.dq_write_order) and again._dq_kv_order() is False
+    assert len(leaves) == len(pytree.tree_flatten(create_block_mask(causal, None, None, 256, 256, device="cpu"))[0]) + 2
+    q = torch.randn(1, 2, 256, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the unfused path's notice for CPU tensors)
+        compiled = torch.compile(lambda q, m: flexgen.flex_attention(q, q, q, block_mask=m), fullgraph=True)(q, mask)
+        eager = flexgen.flex_attention(q, q, q, block_mask=create_block_mask(causal, None, None, 256, 256, device="cpu"))
+    assert torch.allclose(compiled, eager, atol=1e-6)
