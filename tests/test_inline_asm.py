@@ -71,6 +71,13 @@ def test_text_and_python_give_the_same_node_and_print_back():
     assert flexgen.trace(pretty(mask.expr), kind="mask").expr == mask.expr
 
 
+def test_asm_text_cannot_forge_another_nodes_key():
+    """The same characters split differently between the assembly and the constraints make two nodes."""
+    first = ir.Node("inline_asm", DType.FLOAT32, (S,), ("x,s:y", "z", 1))
+    second = ir.Node("inline_asm", DType.FLOAT32, (S,), ("x", "y,s:z", 1))
+    assert first.digest != second.digest
+
+
 def test_the_assembly_is_part_of_the_kernel_key():
     a = flexgen.trace(asm_score_text(), kind="score", bias=torch.randn(8)).expr
     b = flexgen.trace(asm_score_text().replace("0f40000000", "0f40400000"), kind="score", bias=torch.randn(8)).expr

@@ -151,8 +151,8 @@ def _attr_token(attr: Any) -> str:
         return f"buf:{attr.name}:{attr.dtype}:{attr.ndim}"
     if isinstance(attr, str):
         return f"s:{attr}"
-    if isinstance(attr, tuple):
-        return "(" + ",".join(_attr_token(a) for a in attr) + ")"
+    if isinstance(attr, tuple):  # (strings in it length-prefixed: free text such as PTX may hold "," and ")")
+        return "(" + ",".join(f"s{len(a)}:{a}" if isinstance(a, str) else _attr_token(a) for a in attr) + ")"
     raise IRTypeError(f"unhashable IR attribute {attr!r}")
 
 
