@@ -78,6 +78,20 @@ def test_asm_text_cannot_forge_another_nodes_key():
     assert first.digest != second.digest
 
 
+def test_asm_mods_compose_and_inline_into_other_mods():
+    asm_mask = flexgen.mask_mod(GE_MASK_TEXT)
+    window = flexgen.mask_mod("q_idx - kv_idx < 64")
+    composed = flexgen.and_masks(asm_mask, window).expr
+    written = flexgen.trace(f"({GE_MASK_TEXT}) and q_idx - kv_idx < 64", kind="mask").expr
+    assert composed == written
+
+    def shifted(b, h, q_idx, kv_idx):  # a Python mask calling the asm mod at other positions
+        return asm_mask(b, h, q_idx + 1, kv_idx)
+
+    node = flexgen.trace(shifted, kind="mask").expr.args[0]
+    assert node.op == "inline_asm" and node.args[0].op == "add" and node.args[1] == KV
+
+
 def test_the_assembly_is_part_of_the_kernel_key():
     a = flexgen.trace(asm_score_text(), kind="score", bias=torch.randn(8)).expr
     b = flexgen.trace(asm_score_text().replace("0f40000000", "0f40400000"), kind="score", bias=torch.randn(8)).expr
