@@ -75,6 +75,67 @@ def test_chunking_is_invisible(monkeypatch):
     torch.testing.assert_close(lse, want_lse)
 
 
+def _counting_chunks(monkeypatch):
+    calls = []
+    real = reference._chunk
+    monkeypatch.setattr(reference, "_chunk", lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+def test_many_short_sequences_share_a_chunk(monkeypatch):
+    """Batch rows join one chunk where a whole (heads, rows) slab is small: one chunk for 64 sequences, with what
+    64 chunks of one sequence give, under a mask that depends on b (block lists per batch row and a mask_mod)."""
+    B, H, L = 64, 2, 12
+    q, k, v = rand(B, H, L, 8, seed=4), rand(B, H, L, 8, seed=5), rand(B, H, L, 8, seed=6)
+    per_batch = lambda b, h, qi, ki: (qi >= ki) | ((b + h) % 3 == 0)  # noqa: E731
+    bm = flexgen.create_block_mask(per_batch, B, H, L, L, device="cpu", BLOCK_SIZE=4)
+    by_b = lambda s, b, h, qi, ki: s + 0.5 * b - 0.25 * h  # noqa: E731
+    calls = _counting_chunks(monkeypatch)
+    out, lse, top = reference.reference_outputs(q, k, v, by_b, None, None, False, bm)
+    assert calls == [(B, H, L, 8)]
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", H * L * L)  # a chunk per batch row, as before batching
+    calls.clear()
+    want = reference.reference_outputs(q, k, v, by_b, None, None, False, bm)
+    assert len(calls) == B
+    for got, ref in zip((out, lse, top), want):
+        assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_large_calls_recompute_their_chunks_in_the_backward(monkeypatch):
+    """Past RECOMPUTE_ABOVE scores a chunk keeps only its inputs for the backward: the same gradients (of q, k, v and
+    of a learnable bias), a fraction of the memory held between forward and backward; under torch.func (the
+    compiled unfused path's backward) the chunks are kept, as its transforms take no saved-tensor hooks."""
+    q, k, v = (rand(2, 3, 40, 8, seed=s).requires_grad_() for s in (7, 8, 9))
+    bias = rand(40, seed=10).requires_grad_()
+    mod = flexgen.score_mod(lambda s, b, h, qi, ki: s + bias[ki] * (h + 1))
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 2 * 3 * 10 * 40)  # four chunks
+
+    def run(threshold):
+        monkeypatch.setattr(reference, "RECOMPUTE_ABOVE", threshold)
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, lse, _ = reference.reference_outputs(q, k, v, mod, causal)
+        grads = torch.autograd.grad((out * out).sum() + lse[torch.isfinite(lse)].sum(), (q, k, v, bias))
+        return grads, sum(saved.values())
+
+    kept, kept_bytes = run(1 << 40)
+    again, again_bytes = run(0)
+    for a, b in zip(kept, again):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert again_bytes * 3 < kept_bytes
+
+    def lse_sum(q):
+        return reference.reference_outputs(q, k.detach(), v.detach(), mod, causal)[1].clamp(min=-1e9).sum()
+
+    torch.testing.assert_close(torch.func.grad(lse_sum)(q.detach()), torch.autograd.grad(lse_sum(q), q)[0])
+
+
 def elementwise(fn, B, H, Lq, Lkv, score=None):
     """fn called once per (b, h, q_idx, kv_idx) with 0-dim int32 tensors: what a mod means."""
     out = torch.empty(B, H, Lq, Lkv, dtype=torch.float64 if score is not None else torch.bool)

@@ -18,9 +18,10 @@ arithmetic is float32, as in the kernels and in create_block_mask.
 With `block_mask` (a flexgen or PyTorch BlockMask), a position is visible where its block is
 listed as full, or listed as partial and its mask_mod (the block mask's) holds there; unlisted
 blocks are skipped: FlexAttention's semantics, computed densely. The softmax subtracts the row
-maximum, so it is exact for scores of any size. The work is chunked over query rows and heads so
-that one score chunk holds about 2**24 elements. The computation is differentiable by torch
-autograd, so it also gives reference gradients.
+maximum, so it is exact for scores of any size. The work is chunked over query rows, heads and batch
+rows so that one score chunk holds about 2**24 elements. The computation is differentiable by torch
+autograd, so it also gives reference gradients; past 2**26 scores the backward recomputes each chunk rather than
+keeping it.
 """
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ import math
 from typing import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .errors import FlexgenTraceError, ReturnTypeError, SignatureError
 from .mod import Mod
 
 CHUNK_ELEMENTS = 1 << 24
+RECOMPUTE_ABOVE = 1 << 26  # scores of a call past which its chunks are recomputed in the backward (below)
 _INDEX_DTYPE = torch.int32
 _SKIP, _PARTIAL, _FULL = 0, 1, 2  # a block's state in a block mask
 
@@ -81,27 +84,35 @@ def reference_outputs(q, k, v, score_mod=None, mask_mod=None, scale=None, enable
     group = Hq // Hkv
     rows = max(1, min(Lq, CHUNK_ELEMENTS // Lkv))
     heads = max(1, min(Hq, CHUNK_ELEMENTS // (rows * Lkv)))
+    # Several batch rows per chunk where a whole (heads, rows) slab is small (many short sequences): a chunk per
+    # batch row would make B tiny chunks, each paying Python and, under autograd, its own saved tensors.
+    batches = max(1, min(B, CHUNK_ELEMENTS // (Hq * Lq * Lkv))) if (heads, rows) == (Hq, Lq) else 1
     kv_idx = torch.arange(Lkv, dtype=_INDEX_DTYPE, device=device)
+    # Under autograd a chunk keeps about 18 bytes per score for the backward (its scores, probabilities, mask):
+    # 36 GB for a float32 sequence of 8k at B * H = 32 on a GPU. Past RECOMPUTE_ABOVE scores, each chunk keeps only
+    # its inputs and is computed again in the backward, chunk by chunk (about 1.5x the time). torch.func's
+    # transforms (the compiled unfused path's backward) take no saved-tensor hooks: there the chunks are kept.
+    recompute = (torch.is_grad_enabled() and B * Hq * Lq * Lkv > RECOMPUTE_ABOVE
+                 and torch._C._functorch.peek_interpreter_stack() is None)
 
     outs, lses, maxes = [], [], []
-    for b in range(B):
-        kb, vb = k[b].to(torch.float64), v[b].to(torch.float64)
-        b_idx = torch.full((1,), b, dtype=_INDEX_DTYPE, device=device)
+    for b0 in range(0, B, batches):
+        b_idx = torch.arange(b0, min(b0 + batches, B), dtype=_INDEX_DTYPE, device=device)
+        kb, vb = k[b0 : b0 + len(b_idx)].to(torch.float64), v[b0 : b0 + len(b_idx)].to(torch.float64)
         out_b, lse_b, max_b = [], [], []
         for h0 in range(0, Hq, heads):
             h_idx = torch.arange(h0, min(h0 + heads, Hq), dtype=_INDEX_DTYPE, device=device)
             kv_head = (h_idx // group).long()
-            kh, vh = kb[kv_head], vb[kv_head]  # (heads, Lkv, D), (heads, Lkv, Dv)
+            kh, vh = kb[:, kv_head], vb[:, kv_head]  # (batches, heads, Lkv, D), (batches, heads, Lkv, Dv)
             out_h, lse_h, max_h = [], [], []
             for q0 in range(0, Lq, rows):
                 q_idx = torch.arange(q0, min(q0 + rows, Lq), dtype=_INDEX_DTYPE, device=device)
-                qc = q[b, h0 : h0 + len(h_idx), q0 : q0 + len(q_idx)].to(torch.float64)
-                score = (qc @ kh.transpose(-1, -2) * scale)[None]  # (1, heads, rows, Lkv)
+                qc = q[b0 : b0 + len(b_idx), h0 : h0 + len(h_idx), q0 : q0 + len(q_idx)].to(torch.float64)
                 idx = (b_idx, h_idx, q_idx, kv_idx)
-                if score_fn is not None:
-                    score = _full_shape(score_fn(score, *idx), torch.float64, score.shape)
-                keep = _visible(idx, mask_fn, layout, score.shape)
-                o, l, m = _softmax_rows(score, keep, vh)
+                if recompute:
+                    o, l, m = checkpoint(_chunk, qc, kh, vh, idx, scale, score_fn, mask_fn, layout, use_reentrant=False)
+                else:
+                    o, l, m = _chunk(qc, kh, vh, idx, scale, score_fn, mask_fn, layout)
                 out_h.append(o)
                 lse_h.append(l)
                 max_h.append(m)
@@ -115,27 +126,36 @@ def reference_outputs(q, k, v, score_mod=None, mask_mod=None, scale=None, enable
     return out, torch.cat(lses, dim=0).to(lse_dtype), torch.cat(maxes, dim=0).to(lse_dtype)
 
 
+def _chunk(qc, kh, vh, idx, scale, score_fn, mask_fn, layout):
+    """(out, lse, row max) of one chunk: queries qc (batches, heads, rows, D) against keys kh and values vh of
+    those heads, at positions idx = (b, h, q_idx, kv_idx)."""
+    score = qc @ kh.transpose(-1, -2) * scale  # (batches, heads, rows, Lkv)
+    if score_fn is not None:
+        score = _full_shape(score_fn(score, *idx), torch.float64, score.shape)
+    return _softmax_rows(score, _visible(idx, mask_fn, layout, score.shape), vh)
+
+
 def _full_shape(value, dtype, shape) -> torch.Tensor:
     return torch.broadcast_to(torch.as_tensor(value).to(dtype), shape)
 
 
 def _visible(idx, mask_fn, layout, shape):
-    """Bool (1, heads, rows, Lkv): which scores of the chunk take part, or None for all of them."""
+    """Bool (batches, heads, rows, Lkv): which scores of the chunk take part, or None for all of them."""
     keep = None if mask_fn is None else _full_shape(mask_fn(*idx), torch.bool, shape)
     if layout is None:
         return keep
     states, (bq, bkv) = layout
     b, h, qi, ki = idx
-    per_b = states[int(b[0]) if states.shape[0] > 1 else 0]  # one batch row per chunk: (H or 1, blocks_q, blocks_kv)
-    per_h = per_b[h.long()] if per_b.shape[0] > 1 else per_b
-    state = per_h[:, (qi // bq).long()][:, :, (ki // bkv).long()][None]  # (1, heads or 1, rows, Lkv)
+    per_b = states[b.long()] if states.shape[0] > 1 else states  # (batches or 1, H or 1, blocks_q, blocks_kv)
+    per_h = per_b[:, h.long()] if per_b.shape[1] > 1 else per_b
+    state = per_h[:, :, (qi // bq).long()][:, :, :, (ki // bkv).long()]  # (batches or 1, heads or 1, rows, Lkv)
     visible = state == _FULL
     partial = state == _PARTIAL
     return torch.broadcast_to(visible | (partial if keep is None else partial & keep), shape)
 
 
 def _softmax_rows(score, keep, vh):
-    """Output, lse and row maximum for one (1, heads, rows, Lkv) chunk of scores: the row maximum comes
+    """Output, lse and row maximum for one (batches, heads, rows, Lkv) chunk of scores: the row maximum comes
     off first, so exp() never overflows and huge scores still normalise (sum of p, not 1 + ulps)."""
     if keep is not None:
         score = score.masked_fill(~keep, -math.inf)
@@ -144,7 +164,7 @@ def _softmax_rows(score, keep, vh):
     p = torch.exp(score - top)
     total = p.sum(dim=-1, keepdim=True)
     empty = total == 0
-    out = (p @ vh[None]) / torch.where(empty, torch.ones_like(total), total)
+    out = (p @ vh) / torch.where(empty, torch.ones_like(total), total)
     lse = torch.where(empty, -math.inf, top + torch.log(torch.where(empty, torch.ones_like(total), total)))
     return out, lse.squeeze(-1), row_max.squeeze(-1)
 
