@@ -301,6 +301,25 @@ def test_on_the_gpu(dtype, d):
         assert (got.double() - ref).abs().max().item() <= tol * max(ref.abs().max().item(), 1.0)
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_recomputed_chunks_give_the_kept_chunks_gradients(monkeypatch):
+    """A call past the recompute threshold (lowered here) on CUDA: the backward recomputes each chunk and gets the
+    gradients that keeping them gives (to float32's last bit)."""
+    from flexgen.dsl import reference
+
+    q, k, v = (t.cuda().requires_grad_() for t in _inputs(torch.float32))
+    bm = flexgen.create_block_mask(CAUSAL, None, None, 90, 70, device="cuda")
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 2 * 90 * 70)  # several chunks
+    g = torch.randn(q.shape, device="cuda")
+    grads = []
+    for threshold in (1 << 40, 0):
+        monkeypatch.setattr(reference, "RECOMPUTE_ABOVE", threshold)
+        out = _quiet(flexgen.flex_attention, q, k, v, score_mod=SOFTCAP, block_mask=bm)
+        grads.append(torch.autograd.grad((out * g).sum(), (q, k, v)))
+    for kept, again in zip(*grads):
+        torch.testing.assert_close(again, kept, rtol=2e-7, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_fullgraph_runs_the_unfused_path_without_a_break(dtype):
     """Under torch.compile the unfused path goes through the custom ops (their implementation runs it), so
