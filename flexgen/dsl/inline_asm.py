@@ -28,7 +28,9 @@ OP = "inline_asm"
 LETTER_TYPES = {"f": DType.FLOAT32, "r": DType.INT32, "l": DType.INT64}
 C_TYPES = {DType.FLOAT32: "float", DType.INT32: "int", DType.INT64: "long long"}
 RESULT_TYPES = {"float32": DType.FLOAT32, "int32": DType.INT32, "int64": DType.INT64}
-MAX_PACK = 4  # Triton packs at most four elements into a register; more is never what a user meant
+# Triton's packs serve 8- and 16-bit elements, up to four per 32-bit register. flexgen's operands are 32- or 64-bit,
+# where every lane repeats the one element: a larger pack would only compute it more times, and is refused.
+MAX_PACK = 4
 
 _OPERAND = re.compile(r"\$(\d+)")
 _ALLOWED_CHARS = re.compile(r"[\x20-\x7e\n\t]*")  # printable ASCII, newlines and tabs: it becomes a C string
