@@ -177,6 +177,21 @@ def test_kernels_with_asm_compile_with_nvrtc_without_spills(kind, arch, family):
     assert "setp.ge.s32" in kernel.ptx
 
 
+@needs_nvrtc
+def test_bad_ptx_fails_to_compile_with_a_hint_and_a_bounded_log():
+    from flexgen.cache.errors import FlexgenCompileError
+
+    score = flexgen.trace("inline_asm_elementwise(score, asm_str='frob.f32 $0, $1;', constraints='=f,f', "
+                          "dtype=torch.float32)", kind="score")
+    with pytest.raises(FlexgenCompileError) as err:
+        jit.get_kernel(make_spec("fwd", score, None, head_dim=64, dtype="bf16", arch="sm_90a", family="sm90"))
+    message = str(err.value)
+    assert "holds inline PTX" in message and "'frob'" in message
+    log_part = message.split("--- compiler log ---\n", 1)[1].splitlines()
+    assert len(log_part) <= jit.MESSAGE_LOG_LINES + 1 and "more lines in" in log_part[-1]
+    assert err.value.log.count("frob") > jit.MESSAGE_LOG_LINES  # the whole log is kept on the error and on disk
+
+
 # ---------------------------------------------------------------- where it cannot run
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from .. import __version__
 from . import nvcc, nvrtc, nvrtc_child, paths, store
 from .errors import CompilerFailure, FlexgenCompileError, KernelNotCachedError
+from .layout import LOG
 from .kernel import CompiledKernel
 from .lock import FileLock
 from .ptxas import parse_resources
@@ -130,13 +131,31 @@ def compile_and_store(spec, source: str, flags: list[str], key: str, be, save: b
     return store.unsaved(spec.arch, key, source, out.cubin, meta)
 
 
+MESSAGE_LOG_LINES = 40  # of the compiler log in the error (the whole log is saved beside the source)
+
+
 def compile_error(spec, key: str, source: str, log: str, be) -> FlexgenCompileError:
     saved = store.save_failed(key, source, log)
+    lines = log.strip().splitlines()
+    shown = "\n".join(lines[:MESSAGE_LOG_LINES])
+    if len(lines) > MESSAGE_LOG_LINES:
+        shown += f"\n... {len(lines) - MESSAGE_LOG_LINES} more lines in {saved.with_name(LOG)}"
+    hint = ""
+    if _has_inline_asm(spec):  # the user's own PTX: an error there is repeated at every place a mod is inlined
+        hint = ("\nThe variant holds inline PTX (inline_asm_elementwise): ptxas errors point at it first; its text is "
+                "in the source's fg_asm_* functions.")
     return FlexgenCompileError(
         f"{be.NAME} could not compile the generated {spec.kind} kernel "
-        f"({summary(spec, key)}).\nSource saved to: {saved}\n--- compiler log ---\n{log.strip()}",
+        f"({summary(spec, key)}).{hint}\nSource saved to: {saved}\n--- compiler log ---\n{shown}",
         log=log, source_path=str(saved),
     )
+
+
+def _has_inline_asm(spec) -> bool:
+    from ..dsl.graph import postorder
+    from ..dsl.inline_asm import OP
+
+    return any(n.op == OP for expr in (spec.score_expr, spec.mask_expr) if expr is not None for n in postorder(expr))
 
 
 def _resources_or_note(log: str, entry: str) -> dict:
