@@ -409,14 +409,16 @@ class BlockMask:
     def __getitem__(self, index) -> "BlockMask":
         """The mask of some batches, heads or query blocks, like the installed PyTorch's: an int on the batch or
         head dimension drops it where PyTorch's BlockMask does (torch 2.11: mask[0] has lists of (H, nQ)) and keeps
-        it with size 1 where PyTorch's does (torch 2.13); an int on the query-block dimension keeps it. The result
-        has no mask_mod (its positions no longer match the original's); set one for the slice before attending
+        it with size 1 where PyTorch's does (torch 2.13); an int on the query-block dimension keeps it. A cut along
+        the query blocks shortens Q_LEN to the rows of the blocks kept (PyTorch's behaviour after 2.13, so that
+        the slice attends queries of that length). The result has no mask_mod (its positions no longer match the original's); set one for the slice before attending
         with it."""
         index = index if isinstance(index, tuple) else (index,)
         sizes = tuple(self.kv_num_blocks.shape)
         if len(index) > len(sizes):
-            raise IndexError(f"this BlockMask takes at most {len(sizes)} indices (batch, head, query block, the "
-                             f"leading ones as its lists have them), got {len(index)}")
+            raise IndexError(f"BlockMask indexes only its batch, head, and Q-block dimensions (at most {len(sizes)} "
+                             f"indices, the leading ones as its lists have them), got {len(index)}; the KV blocks "
+                             f"cannot be indexed")
         dims = ("batch", "head", "query block")[-len(sizes):]
         picks, ints = [], []
         for i, n, dim in zip((*index, *(slice(None),) * len(sizes)), sizes, dims):
@@ -439,7 +441,17 @@ class BlockMask:
         drop = [lead_dim for lead_dim in ints if lead_dim < lead] if torch_int_index_drops_dim() else []
         keep = (0,) * (2 - lead) + tuple(0 if d in drop else slice(None) for d in range(lead))
         sliced = sliced if keep == (slice(None),) * 2 else sliced._map_tensors(lambda t: t[keep])
-        return replace(sliced, **dq_order.derived(self, sliced))
+        q_len = self._rows_of_blocks(picks[-1], sizes[-1])
+        return replace(sliced, seq_lengths=(q_len, self.seq_lengths[1]), **dq_order.derived(self, sliced))
+
+    def _rows_of_blocks(self, pick, n_blocks: int) -> int:
+        """Q_LEN of a mask cut to the query blocks `pick` selects (a slice, or a tensor of block numbers): the rows
+        of the blocks taken, the last block as short as it is here; a tensor index counts whole blocks, as
+        PyTorch's BlockMask does."""
+        q_len, bq = self.seq_lengths[0], self.BLOCK_SIZE[0]
+        if isinstance(pick, torch.Tensor):
+            return int(pick.sum()) * bq if pick.dtype == torch.bool else pick.numel() * bq
+        return sum(max(0, min(bq, q_len - b * bq)) for b in range(n_blocks)[pick])
 
     @property
     def device(self) -> torch.device:

@@ -3,6 +3,7 @@ refuse (before any kernel could read past a tensor), and the methods a port call
 indexing, to_string, as_tuple, create_mask, device=None), compared with torch's own answers."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 
@@ -307,7 +308,8 @@ def per_head_masks():
                                    (1, slice(None), torch.tensor([0, 2])), (slice(None), slice(None), slice(1, None))])
 def test_getitem_matches_torch(index, per_head_masks):
     ours, theirs = (m[index] for m in per_head_masks)
-    assert ours.shape == theirs.shape
+    # (Q_LEN follows the query blocks kept, as PyTorch's after 2.13: test_getitem_query_slices_set_q_len)
+    assert ours.shape[:2] + ours.shape[3:] == theirs.shape[:2] + theirs.shape[3:]
     assert ours.kv_num_blocks.shape == theirs.kv_num_blocks.shape
     assert torch.equal(ours.to_dense().bool(), theirs.to_dense().bool())
     transposed = BlockMask.from_kv_blocks(ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks,
@@ -345,7 +347,10 @@ def test_getitem_int_dims_follow_torch(index, drops, per_head_masks, monkeypatch
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert torch.equal(getattr(sliced, name), getattr(mask, name)[as_tensor]), name
     assert torch.equal(sliced.to_dense(), mask.to_dense()[as_tensor])
-    assert sliced.shape == tuple(mask.kv_indices[as_tensor].shape[:-2]) + tuple(mask.seq_lengths)
+    q_blocks = mask.kv_indices[as_tensor].shape[-2]
+    assert sliced.shape == tuple(mask.kv_indices[as_tensor].shape[:-2]) + (
+        mask.seq_lengths[0] if q_blocks == mask.kv_indices.shape[-2] else q_blocks * mask.BLOCK_SIZE[0],
+        mask.seq_lengths[1])
     rows = BlockMask.from_kv_blocks(sliced.kv_num_blocks, sliced.kv_indices, sliced.full_kv_num_blocks,
                                     sliced.full_kv_indices, sliced.BLOCK_SIZE, seq_lengths=sliced.seq_lengths)
     assert torch.equal(sliced.q_num_blocks.reshape(rows.q_num_blocks.shape), rows.q_num_blocks)
@@ -353,6 +358,40 @@ def test_getitem_int_dims_follow_torch(index, drops, per_head_masks, monkeypatch
     again = sliced[0]  # a slice indexes again along its own leading dimension
     assert torch.equal(again.kv_num_blocks, sliced.kv_num_blocks[(slice(0, 1),) if not drops or
                                                                   sliced.kv_num_blocks.dim() == 1 else (0,)])
+
+
+@pytest.mark.parametrize("q_len, index, rows", [
+    (8, slice(0, 1), 4), (8, 0, 4), (8, 1, 4), (9, slice(None), 9), (9, 1, 4), (9, slice(1, None), 5),
+    (9, slice(0, 0), 0), (9, slice(None, None, 2), 5), (9, 2, 1), (9, -1, 1), (9, torch.tensor([2]), 4),
+    (9, torch.tensor([True, False, True]), 8)])
+def test_getitem_query_slices_set_q_len(q_len, index, rows):
+    """A cut along the query blocks keeps KV_LEN and makes Q_LEN the rows of the blocks kept (the last block as
+    short as the sequence makes it; a tensor index counts whole blocks), with the dense blocks and the transposed
+    lists of the rows kept."""
+    mask = create_block_mask(causal, None, None, q_len, 10, device="cpu", BLOCK_SIZE=4)
+    cut = mask[:, :, index]
+    assert cut.seq_lengths == (rows, 10) and cut.shape == (1, 1, rows, 10)
+    picked = index if not isinstance(index, int) else slice(index % 3, index % 3 + 1)
+    assert torch.equal(cut.to_dense(), mask.to_dense()[:, :, picked, :])
+    again = BlockMask.from_kv_blocks(cut.kv_num_blocks, cut.kv_indices, cut.full_kv_num_blocks, cut.full_kv_indices,
+                                     cut.BLOCK_SIZE, seq_lengths=mask.seq_lengths)
+    assert torch.equal(cut.q_num_blocks, again.q_num_blocks) and torch.equal(cut.q_indices, again.q_indices)
+
+
+def test_getitem_query_slice_attends_the_rows_it_keeps():
+    """The second query block of a causal mask, cut out, attends those queries as the whole mask does them."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = create_block_mask(causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=128)
+    cut = dataclasses.replace(mask[:, :, 1], mask_mod=lambda b, h, q_idx, kv_idx: q_idx + 128 >= kv_idx)
+    whole = flexgen.flex_attention(q, k, v, block_mask=mask)
+    torch.testing.assert_close(flexgen.flex_attention(q[:, :, 128:], k, v, block_mask=cut), whole[:, :, 128:])
+
+
+def test_getitem_refuses_kv_block_index():
+    mask = create_block_mask(causal, None, None, 256, 256, device="cpu")
+    with pytest.raises(IndexError, match="batch, head, and Q-block"):
+        mask[:, :, :, :1]
 
 
 def test_getitem_semantics_probe_matches_torch():
