@@ -467,9 +467,9 @@ class BlockMask:
         )
 
     def to(self, device) -> "BlockMask":
-        moved = self._map_tensors(lambda t: t.to(device))
-        tensors = {name: getattr(self, name).to(device) for name in dq_order.FIELDS[:3] if getattr(self, name) is not None}
-        return replace(moved, dq_kv_order_spt=self.dq_kv_order_spt, **tensors)
+        """The same mask, every tensor it holds (the dQ metadata's too) on `device`."""
+        return replace(self, **{name: getattr(self, name).to(device) for name in self._TENSOR_ATTRS
+                                if getattr(self, name) is not None})
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """The mask of the first new_q_len queries and new_kv_len keys: PyTorch's BlockMask._adjust, with which a

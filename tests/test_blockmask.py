@@ -368,6 +368,9 @@ def test_to_device_keeps_layout():
     assert moved.device.type == "cpu"
     assert torch.equal(moved.to_dense(), bm.to_dense())
     assert moved.BLOCK_SIZE == bm.BLOCK_SIZE
+    assert moved.blocks_follow_mask_mod and moved.mask_mod is bm.mask_mod
+    for name in bm._TENSOR_ATTRS:
+        assert (getattr(moved, name) is None) == (getattr(bm, name) is None), name
 
 
 def test_block_sparse_mask():
