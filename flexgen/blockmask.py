@@ -411,8 +411,8 @@ class BlockMask:
         head dimension drops it where PyTorch's BlockMask does (torch 2.11: mask[0] has lists of (H, nQ)) and keeps
         it with size 1 where PyTorch's does (torch 2.13); an int on the query-block dimension keeps it. A cut along
         the query blocks shortens Q_LEN to the rows of the blocks kept (PyTorch's behaviour after 2.13, so that
-        the slice attends queries of that length). The result has no mask_mod (its positions no longer match the original's); set one for the slice before attending
-        with it."""
+        the slice attends queries of that length). The result has no mask_mod (its positions no longer match the
+        original's); set one for the slice before attending with it."""
         index = index if isinstance(index, tuple) else (index,)
         sizes = tuple(self.kv_num_blocks.shape)
         if len(index) > len(sizes):
