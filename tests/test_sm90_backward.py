@@ -300,13 +300,15 @@ def test_sm80_backward_on_request(name):
 
 @gpu
 @hopper
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
-def test_sm90_backward_persistent_many_tiles_per_cta(name):
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", ["none", "causal", "sliding_window", "document"])
+def test_sm90_backward_persistent_many_tiles_per_cta(name, D):
     """The persistent grid: 4 x 8 KV heads x 17 KV tiles (544 work tiles) over an H200's 132 CTAs, each walking
-    about four, with K, V, the stages and the dS buffers carried from one to the next."""
+    about four, with K, V, the stages and the dS buffers carried from one to the next (at D = 128 and 64, whose
+    layouts differ)."""
     from test_gpu_backward import Shape, check_variant
 
-    check_variant(name, Shape(4, 8, 2100, 2100), 128, torch.bfloat16, kernel_options=SM90)
+    check_variant(name, Shape(4, 8, 2100, 2100), D, torch.bfloat16, kernel_options=SM90)
 
 
 @gpu
