@@ -72,6 +72,15 @@ def test_compiles_and_matches_host_layouts(name, D):
     assert kernel.ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [") >= 2
     m = re.search(r"flexgen_bwd_smem_bytes\s*=\s*(\d+)", kernel.ptx)
     assert m and int(m.group(1)) == shared_memory_bytes(kernel)  # what the launcher reads from the cubin
+    # A second K / V buffer (the next KV tile loaded during this one's last steps) only where it fits: 64-row
+    # steps at D = 32 and 64; the second buffer starts past the first layout, on a 1 KB boundary.
+    bufs = int(re.search(r"\.u32 KV_BUFS = (\d+);", kernel.ptx).group(1))
+    assert bufs == (2 if width == 64 and rows == 64 else 1), (name, D, bufs)
+    if bufs == 2:
+        second = int(re.search(r"\.u32 KV2_OFFSET = (\d+);", kernel.ptx).group(1))
+        one_buffer = int(re.search(r"\.u32 SMEM_ONE_KV = (\d+);", kernel.ptx).group(1))
+        assert second % 1024 == 0 and second >= one_buffer - 1024
+        assert int(m.group(1)) == 1024 + second + 2 * 2 * spec.block_n * width <= 232448
     buffers = {**(mask.buffers if mask else {}), **(score.buffers if score else {})}
     params = {**(mask.params if mask else {}), **(score.params if score else {})}
     mod_args = pack_mod_args(lower_mods(spec), buffers, params, check_device=False)
