@@ -322,6 +322,22 @@ def test_sm90_backward_persistent_many_tiles_per_cta(name, D):
 
 @gpu
 @hopper
+@pytest.mark.parametrize("D,name", [(64, "document"), (32, "document"), (64, "relative_bias_learnable"), (64, "causal"),
+                                    (128, "none"), (128, "document")])
+def test_sm90_backward_three_ctas_walk_every_tile(D, name, monkeypatch):
+    """A grid of 3 CTAs, each walking about 21 of 64 work tiles: every K / V buffer turns over many times, its
+    barriers' parities with it (two buffers in the 64-row kernels at D = 32 and 64: documents, learnable buffers;
+    one elsewhere), as on a GPU with few SMs."""
+    from test_gpu_backward import Shape, check_variant
+
+    from flexgen.runtime import families
+
+    monkeypatch.setattr(families, "sm_count", lambda device: 3)
+    check_variant(name, Shape(2, 4, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
 @pytest.mark.parametrize("name", ["causal", "document", "sliding_window"])
 def test_sm90_backward_balanced_turns_with_a_short_odd_last_round(name):
     """Under a block mask each CTA takes the turns schedule.kv_tile_turns deals. 2 x 8 heads x 9 KV tiles = 144 work
