@@ -83,6 +83,8 @@ def test_bwd_struct_size_and_no_spills(name, arch, head_dim):
     spec = _bwd_spec(score, mask, grads, head_dim, "bf16", arch)
     kernel = jit.get_kernel(spec)
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
+    log = kernel.meta.get("compiler_log", "")
+    assert "warning #" not in log, f"the compiler warned about the emitted {name} backward: {log}"
     params = _host_params(spec, _mod_args_type(spec, score, mask, grads))
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert ctypes.alignment(params) == 8

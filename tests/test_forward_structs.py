@@ -60,6 +60,8 @@ def test_fwd_compiles_and_struct_matches(name, arch):
     fwd = FWD_PARAMS.ctypes_type(type(mod_args))
     assert ctypes.sizeof(fwd) == _param_bytes(kernel.ptx, spec.entry_name)
     assert not has_spills(kernel.resources), f"{name} on {arch} spills: {kernel.resources}"
+    log = kernel.meta.get("compiler_log", "")
+    assert "warning #" not in log, f"the compiler warned about the emitted {name} forward: {log}"
 
 
 @pytest.mark.parametrize("family,dropout", [(None, False), (None, True), ("sm90", False)])
