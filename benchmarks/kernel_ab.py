@@ -5,6 +5,7 @@ H200 moves the same kernel by up to 10% between rounds (benchmarks/ab_bench.sh, 
     python3 benchmarks/kernel_ab.py run --kind bwd --tree base=.gpu/ab_base --tree this=. --rounds 3 --out $OUT
     python3 benchmarks/kernel_ab.py report $OUT            (anywhere: medians per case, and each tree against the first)
     ... run --kind fwd --only 64:document-causal,64:causal ...  (some cases only: HEAD_DIM:VARIANT, comma-separated)
+    ... run --kind bwd_all ...   (the whole backward: preprocess, main kernel and postprocess, summed per call)
 
 `run` (on the GPU machine) starts, per round and tree, one process under `ncu --clock-control base` that runs every
 case (`cases`, below) with that tree's flexgen on PYTHONPATH and its own kernel cache, and keeps ncu's CSV as
@@ -24,7 +25,7 @@ from pathlib import Path
 
 LAUNCHES = 4
 SEQLEN = 8192  # N of the cases, as in results.md's tables (--seqlen for others)
-KERNEL = {"fwd": "^flexgen_fwd$", "bwd": "^flexgen_bwd$"}
+KERNEL = {"fwd": "^flexgen_fwd$", "bwd": "^flexgen_bwd$", "bwd_all": "^flexgen_bwd"}
 CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) and 16k tokens per batch, bf16
     "fwd": [(128, "full"), (128, "softcap30"), (128, "causal"), (128, "sliding1024"), (128, "alibi-causal"),
             (128, "softcap30-causal"), (128, "document-causal"), (64, "full"), (64, "causal"), (64, "sliding1024"),
@@ -32,6 +33,7 @@ CASES = {  # (head dim, bench_attention.py variant): H = 16, N = 8k (--seqlen) a
     "bwd": [(128, "full"), (128, "causal"), (128, "alibi-causal"), (128, "softcap30-causal"), (128, "document-causal"),
             (128, "sliding1024"), (64, "full"), (64, "causal"), (64, "alibi-causal"), (64, "sliding1024")],
 }
+CASES["bwd_all"] = CASES["bwd"]
 
 
 def selected(kind: str, only: str | None) -> list[tuple[int, str]]:
@@ -63,7 +65,7 @@ def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = 
     batch = max(1, (tokens or TOKENS) // n)  # (as bench_attention.py: the same tokens per batch at every length)
     for d, name in selected(kind, only):
         variant = build_variant(name, n, heads, torch.device(device))
-        q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=kind == "bwd")
+        q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=kind != "fwd")
                    for _ in range(3))
         bm = flexgen.create_block_mask(variant.mask, None, None, n, n, device=device) if variant.mask is not None else None
         print(f"CASE {d} {name}" + ("" if n == SEQLEN else f" N={n}"), flush=True)
@@ -100,16 +102,19 @@ def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeou
 
 
 def durations(path: Path) -> dict[str, list[float]]:
-    """{'<D> <variant>': [ns of each launch but the first]} from one ncu CSV (the CASE lines give the order)."""
+    """{'<D> <variant>': [ns of each launch but the first]} from one ncu CSV (the CASE lines give the order). Where
+    ncu timed several kernels per launch (bwd_all: the backward's three, in launch order), their times are summed."""
     lines = path.read_text().splitlines()
     cases = [line.split(None, 1)[1] for line in lines if line.startswith("CASE ")]
     rows = csv.DictReader(line for line in lines if line.startswith('"'))
     ns = {int(row["ID"]): float(row["Metric Value"].replace(",", ""))
           for row in rows if row["Metric Name"] == "gpu__time_duration.sum"}
     ids = sorted(ns)
-    if len(ids) != LAUNCHES * len(cases):
+    if not cases or not ids or len(ids) % (LAUNCHES * len(cases)):
         raise ValueError(f"{path.name}: {len(ids)} kernel launches for {len(cases)} cases; expected {LAUNCHES} each")
-    return {case: [ns[i] for i in ids[LAUNCHES * c + 1:LAUNCHES * (c + 1)]] for c, case in enumerate(cases)}
+    per_call = len(ids) // (LAUNCHES * len(cases))
+    calls = [sum(ns[i] for i in ids[j:j + per_call]) for j in range(0, len(ids), per_call)]
+    return {case: calls[LAUNCHES * c + 1:LAUNCHES * (c + 1)] for c, case in enumerate(cases)}
 
 
 def report(folder: Path) -> str:

@@ -13,17 +13,23 @@ HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context",
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
 
-def ncu_csv(cases: dict[str, list[float]], launches: int = 4) -> str:
-    """ncu --csv output as the device writes it: the program's CASE lines first, then one row per launch."""
+def ncu_csv(cases: dict[str, list[float]], launches: int = 4, kernels=("flexgen_bwd",)) -> str:
+    """ncu --csv output as the device writes it: the program's CASE lines first, then one row per kernel launched
+    (`kernels` per call, each taking the call's time divided among them)."""
     lines = ["==PROF== Connected to process 1 (/usr/bin/python3)"] + [f"CASE {c}" for c in cases] + [HEADER]
     launch = 0
     for times in cases.values():
         assert len(times) == launches
         for ns in times:
-            lines.append(f'"{launch}","1","python3","127.0.0.1","flexgen_bwd","1","7","(384, 1, 1)","(132, 1, 1)",'
-                         f'"0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,.0f}"')
-            launch += 1
+            for name, share in zip(kernels, _shares(len(kernels))):
+                lines.append(f'"{launch}","1","python3","127.0.0.1","{name}","1","7","(384, 1, 1)","(132, 1, 1)",'
+                             f'"0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","{ns * share:,.0f}"')
+                launch += 1
     return "\n".join(lines) + "\n"
+
+
+def _shares(n: int) -> list[float]:
+    return [1.0] if n == 1 else [0.25, 0.5, 0.25][:n] if n == 3 else [1.0 / n] * n
 
 
 def report(folder: Path) -> list[str]:
@@ -87,3 +93,15 @@ def test_only_runs_the_named_cases_in_cases_order_then_the_others(capsys):
     assert announced == ["128 full N=128", "64 causal N=128", "256 full N=128"]  # (cases past CASES: as given)
     with pytest.raises(SystemExit, match="HEAD_DIM:VARIANT"):
         kernel_ab.selected("fwd", "64-causal")
+
+
+def test_the_whole_backward_sums_its_three_kernels_per_call(tmp_path):
+    """bwd_all times preprocess, main kernel and postprocess: each call's three launches are one sample."""
+    rng = random.Random()
+    full = rng.uniform(4e6, 6e6)
+    three = ("flexgen_bwd_preprocess", "flexgen_bwd", "flexgen_bwd_postprocess")
+    (tmp_path / "ncu_base_r1.csv").write_text(ncu_csv({"128 full": [9e9] + [full] * 3}, kernels=three))
+    (tmp_path / "ncu_this_r1.csv").write_text(ncu_csv({"128 full": [9e9] + [full * 1.1] * 3}, kernels=three))
+    (tmp_path / "trees.txt").write_text("base this\n")
+    line = next(line for line in report(tmp_path) if line.startswith("| 128 full |"))
+    assert f"{full / 1e3:.1f} us (+0.0%, spread 0.0%, n=3)" in line and "(+10.0%" in line
