@@ -15,21 +15,18 @@ HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context",
 
 def ncu_csv(cases: dict[str, list[float]], launches: int = 4, kernels=("flexgen_bwd",)) -> str:
     """ncu --csv output as the device writes it: the program's CASE lines first, then one row per kernel launched
-    (`kernels` per call, each taking the call's time divided among them)."""
+    (`kernels` per call, each taking an equal share of the call's time)."""
     lines = ["==PROF== Connected to process 1 (/usr/bin/python3)"] + [f"CASE {c}" for c in cases] + [HEADER]
     launch = 0
     for times in cases.values():
         assert len(times) == launches
         for ns in times:
-            for name, share in zip(kernels, _shares(len(kernels))):
+            for name in kernels:
                 lines.append(f'"{launch}","1","python3","127.0.0.1","{name}","1","7","(384, 1, 1)","(132, 1, 1)",'
-                             f'"0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","{ns * share:,.0f}"')
+                             f'"0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns",'
+                             f'"{ns / len(kernels):,.0f}"')
                 launch += 1
     return "\n".join(lines) + "\n"
-
-
-def _shares(n: int) -> list[float]:
-    return [1.0] if n == 1 else [0.25, 0.5, 0.25][:n] if n == 3 else [1.0 / n] * n
 
 
 def report(folder: Path) -> list[str]:
