@@ -19,7 +19,7 @@ from flexgen.codegen.api import make_spec
 from flexgen.codegen.cstruct import pack_mod_args
 from flexgen.codegen.lower import lower_mods
 from flexgen.codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
-from flexgen.codegen.spec import HEAD_DIMS
+from flexgen.codegen.spec import HEAD_DIMS, dq_fragments, with_dq_layout
 from flexgen.runtime import backward as bw, bwd_tiles, families
 from flexgen.runtime.kernel_symbols import shared_memory_bytes
 from flexgen.runtime.plan import plan
@@ -139,6 +139,8 @@ def test_padded_rows_cover_every_backward_tile():
     step's BLOCK_M rows of each: 16-byte aligned, never past the end; the preprocess grid covers the padding): a
     multiple of every backward BLOCK_M the families run and of the preprocess kernel's rows per CTA."""
     assert [bw.padded_rows(n) for n in (0, 1, 127, 128, 129, 1000)] == [0, 128, 128, 128, 256, 1024]
+    # the unmasked D = 128 kernel's 80-row steps: a multiple of both
+    assert [bw.padded_rows(n, 80) for n in (1, 640, 641, 1000)] == [640, 640, 1280, 1280]
     sm80, sm90 = families.named("sm80"), families.named("sm90")
     rows = {sm90.BWD[0], sm90.BWD_WIDE[0], sm80.PRE_POST[0]} | {tile[0] for _, tile in sm80.BWD + sm80.BWD_LEAN}
     assert all(bw.ROWS_ALIGN % m == 0 for m in rows), rows
@@ -185,6 +187,38 @@ def test_pre_post_struct_sizes(kind, head_dim):
     params = (BWD_PRE_PARAMS if kind == "bwd_preprocess" else BWD_POST_PARAMS).ctypes_type(mod_args)
     assert ctypes.sizeof(params) == _param_bytes(kernel.ptx, spec.entry_name)
     assert not has_spills(kernel.resources)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_fragment_order_helpers_compile_and_match_the_struct(head_dim):
+    """Where the sm90 backward adds dQ in its fragment order, the preprocess and postprocess kernels are built for that
+    layout (the kernel's width and its warpgroups' chunk), compile spill-free and keep the host's struct size."""
+    for mask in (None, V.causal.expr):
+        bwd = plan("bwd", "sm_90a", head_dim, "bf16", None, mask)
+        width = -(-head_dim // 64) * 64
+        assert dq_fragments(bwd) == ((width, width // 2, 80) if bwd.block_m == 80 else None)
+        assert (bwd.block_m == 80) == (mask is None and width == 128)
+        if bwd.block_m == 80:
+            _fragment_helpers_compile(bwd, head_dim)
+
+
+def _fragment_helpers_compile(bwd, head_dim):
+    for kind, struct in (("bwd_preprocess", BWD_PRE_PARAMS), ("bwd_postprocess", BWD_POST_PARAMS)):
+        helper = with_dq_layout(bwd, make_spec(kind, None, None, head_dim=head_dim, dtype="bf16", arch="sm_90a"))
+        assert helper.option("dq_width" if kind == "bwd_preprocess" else "dq_fragments") is not None
+        kernel = jit.get_kernel(helper)
+        mod_args = type(pack_mod_args(lower_mods(helper), {}, {}))
+        assert ctypes.sizeof(struct.ctypes_type(mod_args)) == _param_bytes(kernel.ptx, helper.entry_name)
+        assert not has_spills(kernel.resources)
+
+
+def test_row_order_where_dq_leaves_from_registers():
+    """Deterministic mode, D = 256 and the sm80 family add dQ row by row: their helpers stay as they are."""
+    for bwd in (plan("bwd", "sm_90a", 128, "bf16", deterministic=True), plan("bwd", "sm_90a", 256, "bf16"),
+                plan("bwd", "sm_80", 128, "bf16")):
+        assert dq_fragments(bwd) is None
+        helper = make_spec("bwd_postprocess", None, None, head_dim=bwd.head_dim, dtype="bf16", arch=bwd.arch)
+        assert with_dq_layout(bwd, helper) is helper
 
 
 def test_source_is_readable():
@@ -258,3 +292,22 @@ def test_bad_backward_tile_options_are_clear_errors(options):
 
     with pytest.raises(ValueError, match="allowed values"):
         bwd_tile_overrides(options)
+
+
+def test_transposed_fragment_order_is_read_back_where_it_was_stored():
+    """The 80-row kernel stores dQ^T's m64n80 accumulator as float4 i / 4 of thread t at float4 (i / 4) * 128 + t
+    (sm90/bwd.cu.j2, store_dq); the postprocess (sm80/bwd_postprocess.cu.j2, block rows 80) reads element (q, d) of a
+    chunk at float ((q / 8) * 128 + 32 (d / 16) + 4 (d % 8) + (q % 8) / 2) * 4 + 2 (d / 8 % 2) + q % 2. Every element
+    once, each where the accumulator map (wgmma.cuh, wgmma_acc_coord: row d, column q) put it."""
+    stored = {}
+    for t in range(128):
+        warp, lane = t // 32, t % 32
+        for i in range(40):
+            d = warp * 16 + lane // 4 + (i // 2 % 2) * 8
+            q = (i // 4) * 8 + (lane % 4) * 2 + i % 2
+            stored[(q, d)] = ((i // 4) * 128 + t) * 4 + i % 4
+    assert len(stored) == 80 * 64 and sorted(stored.values()) == list(range(80 * 64))
+    for (q, d), at in stored.items():
+        d0, e = d - d % 8, d % 8
+        read = ((q // 8) * 128 + 32 * (d0 // 16) + (q % 8) // 2) * 4 + 2 * (d0 // 8 % 2) + q % 2 + 16 * e
+        assert read == at, (q, d)

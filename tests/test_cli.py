@@ -244,14 +244,14 @@ def _runtime_specs(monkeypatch, arch, score, mask, head_dim, dtype, mask_block=(
     import torch
 
     import flexgen.arch
-    from flexgen.runtime.plan import _make_spec_cached, make_spec
+    from flexgen.runtime.plan import _make_spec_cached, backward_helpers, make_spec
 
     monkeypatch.setattr(flexgen.arch, "current_arch", lambda device=None: arch)
     _make_spec_cached.cache_clear()  # memoized per device, which here stands for several archs
     query = torch.empty(1, 1, 128, head_dim, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-    return {make_spec("fwd", query, score, mask, None, mask_block=mask_block, blocks_follow_mask=True),
-            make_spec("bwd", query, score, mask, None, mask_block=mask_block, blocks_follow_mask=True),
-            make_spec("bwd_preprocess", query, None, None, None), make_spec("bwd_postprocess", query, None, None, None)}
+    bwd = make_spec("bwd", query, score, mask, None, mask_block=mask_block, blocks_follow_mask=True)
+    return {make_spec("fwd", query, score, mask, None, mask_block=mask_block, blocks_follow_mask=True), bwd,
+            *backward_helpers(bwd, query)}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90a"])

@@ -450,15 +450,15 @@ def test_deterministic_buffer_grads_memory_bound(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("q_len,deterministic", [(200, False), (128, False), (1, True)])
-def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic):
+@pytest.mark.parametrize("q_len,deterministic,D", [(200, False, D0), (128, False, D0), (1, True, D0), (200, False, 128)])
+def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic, D):
     """The preprocess kernel writes every element of the padded lse (in log2 units) and delta
-    (runtime/backward.ROWS_ALIGN), 0 past q_len, lse * log2(e) bit for bit (+inf for -inf), delta = rowsum(dO * O) in fp32, and zeroes each split's dQ accumulator; the
+    (runtime/backward.ROWS_ALIGN), 0 past q_len, lse * log2(e) bit for bit (+inf for -inf), delta = rowsum(dO * O) in fp32, and zeroes the dQ accumulator (each split's, or the fragment order's); the
     outputs start as NaN, so an element it skips shows."""
     from flexgen.runtime import backward as bw
 
     fresh_seed()
-    B, H, D = 2, 3, D0
+    B, H = 2, 3  # (D = 128 without a mask: the 80-row kernel's fragment-order accumulator)
     o = torch.randn(B, H, q_len, D, device=DEV, dtype=torch.bfloat16)
     do = torch.randn(B, H, q_len, D, device=DEV, dtype=torch.bfloat16)
     lse = torch.randn(B, H, q_len, device=DEV)
@@ -467,10 +467,11 @@ def test_preprocess_writes_padded_lse_and_delta(q_len, deterministic):
     launch = bw.prepare_backward(o, kv, kv, o, do, None, None, None, 0.1, {"deterministic": deterministic},
                                  (True, True, True))
     assert launch.splits > 1 or not deterministic
-    padded = bw.padded_rows(q_len)
+    padded = launch.q_len_padded  # (a multiple of ROWS_ALIGN, and of the 80-row steps' 80 where they run)
+    assert padded == bw.padded_rows(q_len, launch.spec.block_m)
     delta = torch.full((B, H, padded), float("nan"), device=DEV)
     lse_log2 = torch.full_like(delta, float("nan"))
-    dq_accum = torch.full((launch.splits, B, H, q_len, D), float("nan"), device=DEV)
+    dq_accum = launch.dq_accumulator(B, H, q_len, D).fill_(float("nan"))
     launch.preprocess(o, do, lse, delta, lse_log2, dq_accum, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert padded % 128 == 0 and padded >= q_len

@@ -41,7 +41,8 @@ def test_compiles_and_matches_host_layouts(name, D):
     # loads an element per score. D = 32 and 96 run 64 and 128 columns (zero-filled by the TMA loads). D = 256: both
     # warpgroups on 64 keys, each with half the step's queries in S^T and dP^T and half of D in dK, dV and dQ.
     width = -(-D // 64) * 64
-    rows = 128 if width == 64 and name not in ("document", "relative_bias") else 64
+    rows = (128 if width == 64 and name not in ("document", "relative_bias") else
+            80 if width == 128 and name == "none" else 64)
     keys = 64 if width == 256 else 128
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == (rows, keys, 8, 2)
     assert families.of(spec).threads_per_cta(spec) == 384  # a producer warpgroup beside two consumer ones
@@ -65,7 +66,10 @@ def test_compiles_and_matches_host_layouts(name, D):
     else:
         assert re.search(wgmma.format(rows), kernel.ptx)
         assert re.search(wgmma.format(width) + r"\{", kernel.ptx)
-        assert re.search(wgmma.format(64), kernel.ptx)
+        if rows == 80:  # dQ^T: A (K) read MN-major, B (dS) K-major
+            assert re.search(wgmma.format(80) + r"%rd\d+, %rd\d+, p, 1, 1, 1, 0;", kernel.ptx)
+        else:
+            assert re.search(wgmma.format(64), kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
     # lse and delta of a step by two 1-D bulk copies (from bwd_preprocess's padded buffers), on the stage's barrier
@@ -129,9 +133,9 @@ def test_backward_family_default_and_refusals():
 
 def test_backward_query_rows_per_step():
     """128 query rows per step at D = 64 (families.SM90.BWD_WIDE), except under a block mask of 64-row blocks or
-    for a mask_mod reading buffers or a score_mod loading an element per score; 64 at D = 128."""
-    def rows(score=None, mask=None, D=64, block=None):
-        return make_spec("bwd", score, mask, head_dim=D, arch="sm_90a", mask_block=block, **SM90).block_m
+    for a mask_mod reading buffers or a score_mod loading an element per score; 80 or 64 at D = 128."""
+    def rows(score=None, mask=None, D=64, block=None, **options):
+        return make_spec("bwd", score, mask, head_dim=D, arch="sm_90a", mask_block=block, **SM90, **options).block_m
 
     assert rows() == 128 and rows(mask=V.causal) == 128 and rows(mask=V.causal, block=(128, 128)) == 128
     assert rows(mask=V.sliding_window(256), block=(256, 128)) == 128
@@ -140,7 +144,11 @@ def test_backward_query_rows_per_step():
     doc_ids = torch.zeros(256, dtype=torch.int32)
     assert rows(mask=V.document(doc_ids)) == 64
     assert rows(V.relative_bias(torch.zeros(2, 511))) == 64
-    assert rows(D=128) == 64 and rows(mask=V.causal, D=128) == 64
+    # D = 128: 80 rows without a mask or score_mod (families.SM90.BWD_TALL), else 64, and with dropout
+    assert rows(D=128) == rows(D=96) == 80 and rows(mask=V.causal, D=128) == 64
+    assert rows(V.softcap(30.0), D=128) == rows(V.alibi(4), D=128) == 64
+    assert rows(D=128, dropout=True) == 64 and rows(D=128, deterministic=True) == 64
+    assert rows(V.relative_bias(torch.zeros(2, 511)), D=128) == 64
 
 
 def test_planning_refuses_what_the_sm90_backward_does_not_cover():
@@ -333,7 +341,9 @@ def test_sm90_backward_three_ctas_walk_every_tile(D, name, monkeypatch):
     from flexgen.runtime import families
 
     monkeypatch.setattr(families, "sm_count", lambda device: 3)
-    check_variant(name, Shape(2, 4, 1000, 1000), D, torch.bfloat16, kernel_options=SM90)
+    # (D = 32: a buffer-reading mask's forward runs on sm80, the backward on sm90 by default)
+    check_variant(name, Shape(2, 4, 1000, 1000), D, torch.bfloat16,
+                  kernel_options=None if (D, name) == (32, "document") else SM90)
 
 
 @gpu

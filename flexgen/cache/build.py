@@ -102,6 +102,7 @@ def expand(variant: dict, archs: list[str], templates_take_others: bool = False)
     its merge."""
     from ..codegen.api import make_spec
     from ..codegen.options import spec_options
+    from ..codegen.spec import with_dq_layout
 
     v = dict(variant)
     score, mask = v.get("score_mod"), v.get("mask_mod")
@@ -116,7 +117,8 @@ def expand(variant: dict, archs: list[str], templates_take_others: bool = False)
         specs.append(make_spec(kind, score, mask, d, dt, arch, mask_block=mask_block if kind in ("fwd", "bwd") else None,
                                **chosen))
         if kind == "bwd":  # planned as flex_attention's backward plans them
-            specs += [make_spec(k, None, None, d, dt, arch) for k in ("bwd_preprocess", "bwd_postprocess")]
+            specs += [with_dq_layout(specs[-1], make_spec(k, None, None, d, dt, arch))
+                      for k in ("bwd_preprocess", "bwd_postprocess")]
         elif kind == "fwd" and specs[-1].option("split_kv"):  # (split_kv=True: decoding calls' forward and merge)
             specs.append(make_spec("fwd_combine", None, None, d, dt, arch))
     return specs

@@ -170,7 +170,9 @@ BWD_PARAMS = ParamStruct("BwdParams", (
     "step's rows of each with one bulk copy, which wants 16-byte aligned addresses and sizes).",
     _line("const float*", "lse_log2", comment="the forward's lse times log2(e); +inf: row saw nothing"),
     _line("const float*", "delta", comment="rowsum(dO * O)"),
-    _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, not yet scaled; null: dQ not wanted"),
+    "dQ's fp32 accumulator, not yet scaled; null: dQ not wanted. (splits, B, H, q_len, D), or in the sm90 kernel's",
+    "80-row steps (B, H, q_len_padded, D) in the fragment order of sm90/bwd.cu.j2.",
+    _line("float*", "dq_accum"),
     _line("half_bits*", "dk", comment="(B, H_kv, kv_len, D); null: not wanted"),
     _line("half_bits*", "dv", comment="(B, H_kv, kv_len, D); null: not wanted"),
     _strides("q"), _strides("k"), _strides("v"), _strides("do"), _strides("dk"), _strides("dv"),
@@ -201,7 +203,9 @@ BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (
     _line("const float*", "lse", comment="the forward's (B, H, q_len), contiguous"),
     _line("float*", "lse_log2", comment="(B, H, q_len_padded) out: lse * log2(e), +inf for -inf, 0 past q_len"),
     _line("float*", "delta", comment="(B, H, q_len_padded) out, rows past q_len 0"),
-    _line("float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, zeroed here; null: dQ not wanted"),
+    "dQ's accumulator, zeroed here; null: dQ not wanted. (splits, B, H, q_len, D) fp32, or with the option dq_width",
+    "(B, H, q_len_padded, dq_width) (the sm90 backward's fragment order).",
+    _line("float*", "dq_accum"),
     _strides("o"), _strides("do"),
     _line("long long", "dq_split_stride", comment="elements between two splits' dQ partials"),
     _line("int", "q_len", "q_len_padded", "num_heads", "num_splits"),
@@ -209,11 +213,13 @@ BWD_PRE_PARAMS = ParamStruct("BwdPreParams", (
 
 # sm80/bwd_postprocess.cu.j2: dQ = scale * the sum of the accumulator's partials, in the input dtype.
 BWD_POST_PARAMS = ParamStruct("BwdPostParams", (
-    _line("const float*", "dq_accum", comment="(splits, B, H, q_len, D) fp32, unscaled"),
+    "dQ's accumulator, unscaled: (splits, B, H, q_len, D) fp32, or with the option dq_fragments (B, H, q_len_padded,",
+    "width) in the sm90 backward's fragment order.",
+    _line("const float*", "dq_accum"),
     _line("half_bits*", "dq", comment="(B, H, q_len, D) out"),
     _strides("dq"),
     _line("long long", "dq_split_stride", comment="elements between two splits' partials"),
-    _line("int", "q_len", "num_heads", "num_splits"),
+    _line("int", "q_len", "q_len_padded", "num_heads", "num_splits"),
     _line("float", "scale"),
 ))
 

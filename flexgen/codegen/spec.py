@@ -37,6 +37,26 @@ def panel_width(head_dim: int) -> int:
     return -(-head_dim // 64) * 64
 
 
+def dq_fragments(bwd: "KernelSpec") -> tuple[int, int, int] | None:
+    """(width, chunk columns, block rows) of the fp32 dQ accumulator in fragment order, where the main backward
+    kernel `bwd` adds dQ so: the sm90 kernel's 80-row steps (templates/sm90/bwd.cu.j2, DQ_TRANSPOSED), whose
+    warpgroups each compute a chunk of 80 rows x 64 columns transposed, as a m64n80 wgmma's accumulator. Every other
+    backward adds dQ row-major (None)."""
+    width = panel_width(bwd.head_dim)
+    if bwd.family != "sm90" or bwd.deterministic or bwd.block_m != 80:
+        return None  # (row-major: by TMA reductions of swizzled panels, or from registers)
+    return width, width // 2, 80
+
+
+def with_dq_layout(bwd: "KernelSpec", helper: "KernelSpec") -> "KernelSpec":
+    """The backward's preprocess or postprocess kernel `helper`, told the layout in which `bwd` adds dQ."""
+    fragments = dq_fragments(bwd)
+    if fragments is None:
+        return helper
+    name, value = ("dq_width", fragments[0]) if helper.kind == "bwd_preprocess" else ("dq_fragments", fragments)
+    return helper.with_(extra=tuple(sorted({**dict(helper.extra), name: value}.items())))
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     kind: str = "fwd"

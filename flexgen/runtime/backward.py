@@ -33,6 +33,8 @@ would, the call is refused.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
@@ -40,9 +42,10 @@ from . import families
 from .arguments import kernel_ready, mod_arguments, rows_aligned
 from .call_checks import empty_like_layout
 from ..cache.kernel import dim3
+from ..codegen.spec import dq_fragments
 from .forward import LOG2E, bh_strides, set_dropout_rate
 from .kernel_symbols import shared_memory_bytes
-from .plan import make_spec
+from .plan import backward_helpers, make_spec
 from .schedule import sm_count
 from .streams import current_stream_ptr
 from .tensor_maps import map_layout, tile_map
@@ -53,20 +56,23 @@ def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.devi
     return max(1, min(num_kv_tiles, want))
 
 
-# The sm90 backward adds dQ by TMA reductions of 64-row boxes: each consumer warpgroup's share of a step
-# (templates/sm90/bwd.cu.j2, DQ_ROWS); it stores dK and dV by TMA too, 64 key rows per warpgroup.
+# The sm90 backward adds dQ by TMA reductions of 64-row boxes, each consumer warpgroup's share of a step
+# (templates/sm90/bwd.cu.j2, DQ_ROWS; over 80-row steps by bulk reductions in fragment order instead); it stores dK
+# and dV by TMA too, 64 key rows per warpgroup.
 DQ_BOX_ROWS = 64
 DKV_BOX_ROWS = 64
 
 # lse (in log2 units) and delta reach the main kernels from (B, H, q_len_padded) fp32 buffers, q_len rounded up to
 # ROWS_ALIGN (rows past q_len 0), written by the preprocess kernel: the sm90 backward copies a step's BLOCK_M rows of
 # each with one bulk copy, whose addresses and size must be multiples of 16 bytes, and never past the buffer's end.
-# ROWS_ALIGN is a multiple of every BLOCK_M of the backward kernels and of the preprocess kernel's rows per CTA.
+# ROWS_ALIGN is a multiple of the preprocess kernel's rows per CTA and of every BLOCK_M of the backward kernels
+# but the 80 rows of the unmasked D = 128 kernel, which pads to a multiple of both (640).
 ROWS_ALIGN = 128
 
 
-def padded_rows(q_len: int) -> int:
-    return -(-q_len // ROWS_ALIGN) * ROWS_ALIGN
+def padded_rows(q_len: int, block_m: int = ROWS_ALIGN) -> int:
+    align = math.lcm(ROWS_ALIGN, block_m)
+    return -(-q_len // align) * align
 
 # Deterministic mode: at most this many bytes of per-warp buffer-gradient copies (fewer splits,
 # then an error, past it).
@@ -198,8 +204,10 @@ class BackwardLaunch:
         spec = make_spec("bwd", query, score, mask, kernel_options, dropout=dropout_p > 0, grad_buffers=grad_buffers,
                          mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
         self.spec, deterministic = spec, spec.deterministic
-        pre_spec = make_spec("bwd_preprocess", query, None, None, None)
-        post_spec = make_spec("bwd_postprocess", query, None, None, None)
+        # dQ's accumulator: (splits, B, H, q_len, D), or where the main kernel adds dQ in its fragment order,
+        # (B, H, q_len_padded, width); the other two kernels are told which.
+        self.dq_fragments = dq_fragments(spec)
+        pre_spec, post_spec = backward_helpers(spec, query)
 
         num_kv_tiles = -(-kv_len // spec.block_n)
         splits = _num_splits(num_kv_tiles, batch, kv_heads, self.device) if deterministic else 1
@@ -217,7 +225,7 @@ class BackwardLaunch:
         self._pack = lambda grads: pack_mod_args(lowered, self.buffers, params, grads)
 
         # 1. delta and lse, padded (see ROWS_ALIGN), and a zeroed dQ accumulator
-        self.q_len_padded = q_len_padded = padded_rows(q_len)
+        self.q_len_padded = q_len_padded = padded_rows(q_len, spec.block_m)
         assert q_len_padded % spec.block_m == 0 and q_len_padded % pre_spec.block_m == 0, (spec.block_m, pre_spec.block_m)
         self.pre_kernel = get_kernel(pre_spec)
         empty_args = pack_mod_args(lower_mods(pre_spec), {}, {})
@@ -271,8 +279,9 @@ class BackwardLaunch:
         self.maps = None
         if family.tensor_maps:
             dq_accum = torch.empty(batch, heads, q_len, d, dtype=torch.float32, device="meta")  # (one split)
+            dq_by_tma = want_dq and not deterministic and not self.dq_fragments
             self.maps = (map_layout(q, spec.block_m), map_layout(k, spec.block_n), map_layout(v, spec.block_n),
-                         map_layout(dq_accum, DQ_BOX_ROWS) if want_dq and not deterministic else None,
+                         map_layout(dq_accum, DQ_BOX_ROWS) if dq_by_tma else None,
                          map_layout(dk, DKV_BOX_ROWS) if tma_gradients and want_dk else None,
                          map_layout(dv, DKV_BOX_ROWS) if tma_gradients and want_dv else None)
 
@@ -282,7 +291,7 @@ class BackwardLaunch:
             post = self.post = BWD_POST_PARAMS.ctypes_type(type(empty_args))()
             post.dq_stride_b, post.dq_stride_h, post.dq_stride_l = empty_like_layout(query, device="meta").stride()[:3]
             post.dq_split_stride = split_stride
-            post.q_len, post.num_heads, post.num_splits = q_len, heads, splits
+            post.q_len, post.q_len_padded, post.num_heads, post.num_splits = q_len, q_len_padded, heads, splits
             post.scale = scale
             post.mod = empty_args
             self.post_grid = dim3((-(-q_len // post_spec.block_m), heads, batch))
@@ -298,6 +307,15 @@ class BackwardLaunch:
             parts = torch.zeros(self.grad_copies, self.grad_floats, dtype=torch.float32, device=self.device)
             return dict(zip(names, _buffer_views(parts[0], names, buffers))), parts
         return {n: torch.zeros(buffers[n].shape, dtype=torch.float32, device=self.device) for n in names}, None
+
+    def dq_accumulator(self, batch: int, heads: int, q_len: int, d: int) -> torch.Tensor:
+        """dQ's fp32 accumulator, uninitialised (the preprocess kernel zeroes it): one (B, H, L, D) partial per split,
+        or where the main kernel adds dQ in its fragment order, (B, H, q_len_padded, width)."""
+        if self.dq_fragments:
+            shape = (batch, heads, self.q_len_padded, self.dq_fragments[0])
+        else:
+            shape = (self.splits, batch, heads, q_len, d)
+        return torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def preprocess(self, o, do, lse, delta, lse_log2, dq_accum, stream: int) -> None:
         """The first kernel: delta (B, H, q_len_padded) <- rowsum(dO * O), lse_log2 (same shape) <- lse (B, H,
@@ -326,7 +344,7 @@ class BackwardLaunch:
             # lse and delta as the main kernel reads them (see ROWS_ALIGN); the preprocess writes every element.
             delta = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
             lse_log2 = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
-            dq_accum = _dq_accumulator(self.splits, batch, heads, q_len, d, device) if want_dq else None
+            dq_accum = self.dq_accumulator(batch, heads, q_len, d) if want_dq else None
             dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None
             dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None
             do_strides = do.stride()[:3]
@@ -381,11 +399,6 @@ class BackwardLaunch:
         # stream order, and torch's caching allocator reuses freed blocks only in stream order too.
         del delta, lse_log2, dq_accum, grad_parts
         return dq, dk, dv, buffer_grads
-
-
-def _dq_accumulator(splits: int, batch: int, heads: int, q_len: int, d: int, device) -> torch.Tensor:
-    """The dQ accumulator: one (B, H, L, D) fp32 partial per split."""
-    return torch.empty(splits, batch, heads, q_len, d, dtype=torch.float32, device=device)
 
 
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, call_options
-from ..codegen.spec import KINDS, KernelSpec
+from ..codegen.spec import KINDS, KernelSpec, with_dq_layout
 from ..dsl.graph import postorder
 from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
@@ -109,6 +109,13 @@ def make_spec(kind: str, query: torch.Tensor, score: Mod | None, mask: Mod | Non
     except TypeError:  # an option value that cannot be a key (checked and refused, or used, uncached)
         return _make_spec(*args)
     return _make_spec_cached(*args)
+
+
+def backward_helpers(bwd: KernelSpec, query: torch.Tensor) -> tuple[KernelSpec, KernelSpec]:
+    """The preprocess and postprocess kernels of a backward whose main kernel is `bwd`, told the layout in which it
+    adds dQ (codegen.spec.with_dq_layout)."""
+    return (with_dq_layout(bwd, make_spec("bwd_preprocess", query, None, None, None)),
+            with_dq_layout(bwd, make_spec("bwd_postprocess", query, None, None, None)))
 
 
 def _make_spec(kind: str, query_dtype: torch.dtype, head_dim: int, device: torch.device, score_expr, mask_expr,

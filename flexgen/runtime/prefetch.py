@@ -24,7 +24,7 @@ import torch
 
 from ..cache import paths
 from ..dsl.mod import Mod
-from .plan import make_spec
+from .plan import backward_helpers, make_spec
 
 log = logging.getLogger("flexgen.cache")
 
@@ -61,10 +61,9 @@ def backward_kernels(call_key, query: torch.Tensor, score: Mod | None, mask: Mod
         return []
     seen.add(call_key)
     try:
-        specs = (make_spec("bwd", query, score, mask, kernel_options, dropout=dropout, grad_buffers=grad_buffers,
-                           mask_block=mask_block),
-                 make_spec("bwd_preprocess", query, None, None, None),
-                 make_spec("bwd_postprocess", query, None, None, None))
+        bwd = make_spec("bwd", query, score, mask, kernel_options, dropout=dropout, grad_buffers=grad_buffers,
+                        mask_block=mask_block)
+        specs = (bwd, *backward_helpers(bwd, query))
     except Exception:
         return []
     with _lock:

@@ -82,3 +82,13 @@ __device__ __forceinline__ void tma_reduce_add_box(const TensorMap* map, const v
           "r"(static_cast<unsigned>(__cvta_generic_to_shared(src)))
         : "memory");
 }
+
+// Adds `bytes` contiguous fp32 values from shared memory at `src` into global memory at `dst` (a 1-D bulk reduction,
+// no tensor map; done in L2, like red.global.add): both addresses and the size multiples of 16 bytes. Completes as a
+// bulk group, as tma_reduce_add_box.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const void* src, unsigned bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+        ::"l"(dst), "r"(static_cast<unsigned>(__cvta_generic_to_shared(src))), "r"(bytes)
+        : "memory");
+}
