@@ -22,6 +22,7 @@ def _cupy_cuda():
     return cupy.cuda
 
 MAX_STATIC_SHARED = 48 * 1024  # above this, dynamic shared memory must be opted into per function
+_CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
@@ -47,6 +48,14 @@ class CompiledKernel:
     def resources(self) -> dict:
         """registers, shared_static_bytes, stack_frame_bytes, spill_stores_bytes, spill_loads_bytes, barriers."""
         return self.meta["resources"]
+
+    def registers(self) -> int:
+        """Registers per thread: ptxas's report, or where the compiler gave none (NVRTC, at times, under concurrent
+        compiles: resources then holds report_missing) the loaded function's own count, from the driver."""
+        count = self.resources.get("registers")
+        if count is None:
+            count = _cupy_cuda().driver.funcGetAttribute(_CU_FUNC_ATTRIBUTE_NUM_REGS, self.function().ptr)
+        return int(count)
 
     @property
     def flags(self) -> list[str]:

@@ -384,7 +384,7 @@ class SM90(Family):
 def ctas_per_sm(spec: KernelSpec) -> int:
     """How many CTAs of the compiled kernel one SM holds at once (its registers and shared memory)."""
     kernel = get_kernel(spec)
-    return resident_ctas(spec.arch, of(spec).threads_per_cta(spec), kernel.resources["registers"],
+    return resident_ctas(spec.arch, of(spec).threads_per_cta(spec), kernel.registers(),
                          shared_memory_bytes(kernel))
 
 
