@@ -10,11 +10,13 @@ with the bar of tests/test_gpu_backward.py.
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 
 import pytest
 import torch
 
+import flexgen
 from flexgen import variants as V
 from flexgen.cache import jit
 from flexgen.codegen.api import make_spec
@@ -344,6 +346,45 @@ def test_sm90_backward_three_ctas_walk_every_tile(D, name, monkeypatch):
     # (D = 32: a buffer-reading mask's forward runs on sm80, the backward on sm90 by default)
     check_variant(name, Shape(2, 4, 1000, 1000), D, torch.bfloat16,
                   kernel_options=None if (D, name) == (32, "document") else SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("lq,lkv", [(1, 300), (79, 81), (161, 1025), (640, 640), (641, 7)])
+def test_sm90_backward_80_row_steps_over_ragged_lengths(D, lq, lkv):
+    """The 80-row steps (no mask, no score_mod) where the last step is partial or the only one, at a multiple of
+    the 640-row padding of lse, delta and dQ's accumulator and one row past it, with fewer keys than one tile and
+    more than eight tiles."""
+    from test_gpu_backward import Shape, check_variant
+
+    assert make_spec("bwd", None, None, head_dim=D, arch="sm_90a", **SM90).block_m == 80
+    check_variant("none", Shape(1, 2, lq, lkv), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("which", ["q", "kv", "v"])
+def test_sm90_backward_80_row_steps_for_some_inputs(which):
+    """Over 80-row steps with GQA: dQ alone (dK and dV not stored), dK and dV without dQ (nothing staged for the dQ
+    warps), dV alone."""
+    from test_gpu_backward import Shape, assert_grads_match, fresh_seed, lowp_grads, reference_grads
+
+    seed = fresh_seed()
+    s, D, kv_heads = Shape(2, 8, 333, 517), 128, 2
+    q = torch.randn(s.B, s.H, s.Lq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(s.B, kv_heads, s.Lkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    wanted = {"q": (True, False, False), "kv": (False, True, True), "v": (False, False, True)}[which]
+    leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), wanted)]
+    flexgen.flex_attention(*leaves, enable_gqa=True, kernel_options=SM90).backward(do)
+    ref = reference_grads(q, k, v, do, None, None, 1 / math.sqrt(D), True, [])
+    base = lowp_grads(q, k, v, do, None, None, 1 / math.sqrt(D), [])
+    for leaf, w, r, b, name in zip(leaves, wanted, ref, base, ("dq", "dk", "dv")):
+        if w:
+            assert_grads_match([leaf.grad], [r], [b], [name], f"{which} (seed {seed})")
+        else:
+            assert leaf.grad is None
 
 
 @gpu
