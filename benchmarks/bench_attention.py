@@ -22,7 +22,7 @@ Implementations:
   sdpa-math     SDPA's math backend (opt-in; the only one that also runs on a CPU)
 
 Variants: full; causal; sliding1024 = causal and q-kv < 1024; alibi-causal = score +
-2^(-8(h+1)/H) * (kv - q), causal; alibi-slopes-causal = the same with the slopes read from a captured
+2^(-8(h+1)/H) * (kv - q), causal (alibi: the same without the mask, opt-in); alibi-slopes-causal = the same with the slopes read from a captured
 tensor (opt-in; FA4 not set up for it); softcap30-causal = 30 tanh(score/30), causal;
 document-causal = packed documents of random lengths in [N/16, N/3), causal within each;
 prefix-lm = the first N/4 keys visible to every query, causal otherwise.
@@ -142,11 +142,11 @@ def build_variant(name: str, n: int, heads: int, device) -> Variant:
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
         return Variant(name, mask=sliding_window, note=f"window {window}", params={"window": window})
-    if name == "alibi-causal":
+    if name in ("alibi", "alibi-causal"):
         def alibi(score, b, h, q_idx, kv_idx):
             return score + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
 
-        return Variant(name, score=alibi, mask=causal, params={"heads": heads})
+        return Variant(name, score=alibi, mask=causal if name == "alibi-causal" else None, params={"heads": heads})
     if name == "alibi-slopes-causal":
         slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)
 
@@ -437,9 +437,9 @@ def fa4_options(impl: "Impl", variant: Variant, q, k) -> dict:
         return {"causal": True, "window_size": (p["window"] - 1, 0)}
     if name.startswith("softcap"):
         return {"causal": variant.mask is not None, "softcap": float(p["cap"])}
-    if name == "alibi-causal":
+    if name in ("alibi", "alibi-causal"):
         score_mod, score_mod_bwd = fa4_alibi_mods(p["heads"])
-        return {"causal": True, "score_mod": score_mod, "score_mod_bwd": score_mod_bwd}
+        return {"causal": name == "alibi-causal", "score_mod": score_mod, "score_mod_bwd": score_mod_bwd}
     if name in ("document-causal", "prefix-lm"):
         from torch.nn.attention.flex_attention import create_block_mask
 
