@@ -23,3 +23,5 @@ def _warming_up_in_a_graph_pool() -> bool:
         return manager is not None and torch.cuda.current_stream() == manager.stream
     except (AttributeError, TypeError, RuntimeError):  # (a PyTorch whose internals moved: as before them)
         return False
+    except AssertionError:  # (torch 2.11 asserts its per-thread state exists: a plain thread has none, and no graph)
+        return False
