@@ -73,6 +73,11 @@ def _variant(name: str, s: Shape):
     if name == "alibi_causal_learnable":
         slopes = v.alibi_slopes(s.H).to(DEV).requires_grad_()
         return v.alibi(slopes), v.causal, False, ("alibi_slopes",)
+    if name == "alibi":  # without a mask (80-row steps at D = 96 / 128)
+        return v.alibi(v.alibi_slopes(s.H).to(DEV)), None, False, ()
+    if name == "alibi_learnable":
+        slopes = v.alibi_slopes(s.H).to(DEV).requires_grad_()
+        return v.alibi(slopes), None, False, ("alibi_slopes",)
     if name == "softcap_causal":
         return v.softcap(1.5), v.causal, False, ()
     if name == "relative_bias_learnable":

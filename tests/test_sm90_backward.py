@@ -148,7 +148,11 @@ def test_backward_query_rows_per_step():
     assert rows(V.relative_bias(torch.zeros(2, 511))) == 64
     # D = 128: 80 rows without a mask or score_mod (families.SM90.BWD_TALL), else 64, and with dropout
     assert rows(D=128) == rows(D=96) == 80 and rows(mask=V.causal, D=128) == 64
-    assert rows(V.softcap(30.0), D=128) == rows(V.alibi(4), D=128) == 64
+    # an ALiBi-like score_mod folds into affine terms over 80 rows too, unless its slopes learn or fold_score is off
+    assert rows(V.alibi(4), D=128) == rows(V.alibi(4), D=96) == 80 and rows(V.alibi(4), V.causal, D=128) == 64
+    learnable = V.alibi(V.alibi_slopes(4).requires_grad_())
+    assert rows(learnable, D=128, grad_buffers=tuple(learnable.buffer_names)) == 64
+    assert rows(V.alibi(4), D=128, fold_score=False) == 64 and rows(V.softcap(30.0), D=128) == 64
     assert rows(D=128, dropout=True) == 64 and rows(D=128, deterministic=True) == 64
     assert rows(V.relative_bias(torch.zeros(2, 511)), D=128) == 64
 
@@ -198,6 +202,12 @@ def test_score_mods_fold_into_the_backwards_own_terms():
         kernel = jit.get_kernel(make_spec("bwd", V.alibi(slopes), V.causal, head_dim=D, dtype="bf16", arch="sm_90a",
                                           **SM90))
         assert "score_mod_affine(b, h, p.mod" in kernel.source and "row_term[c >> 1] + col_term[c & 1]" in kernel.source
+        assert_tma_fed_and_unserialised(kernel)
+        assert kernel.resources.get("spill_stores_bytes", 0) == 0, kernel.resources
+    for D in (96, 128):  # without a mask, over 80-row steps
+        spec = make_spec("bwd", V.alibi(slopes), None, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
+        kernel = jit.get_kernel(spec)
+        assert spec.block_m == 80 and "row_term[c >> 1] + col_term[c & 1]" in kernel.source
         assert_tma_fed_and_unserialised(kernel)
         assert kernel.resources.get("spill_stores_bytes", 0) == 0, kernel.resources
     for mask, most in ((None, 0), (V.causal, 8)):  # a soft cap folds over 64-row steps (D = 128)
@@ -360,6 +370,20 @@ def test_sm90_backward_80_row_steps_over_ragged_lengths(D, lq, lkv):
 
     assert make_spec("bwd", None, None, head_dim=D, arch="sm_90a", **SM90).block_m == 80
     check_variant("none", Shape(1, 2, lq, lkv), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("name", ["alibi", "alibi_learnable"])
+def test_sm90_backward_alibi_without_a_mask(name, D):
+    """ALiBi without a mask: fixed slopes fold into the 80-row steps' own terms, learnable ones keep 64 rows and
+    score_mod's gradient; under GQA, with lengths that end mid-step, and a step's worth of rows."""
+    from test_gpu_backward import Shape, check_variant
+
+    assert make_spec("bwd", V.alibi(4), None, head_dim=D, arch="sm_90a", **SM90).block_m == 80
+    check_variant(name, Shape(2, 4, 777, 1001), D, torch.bfloat16, gqa_kv_heads=2, kernel_options=SM90)
+    check_variant(name, Shape(1, 3, 80, 300), D, torch.float16, kernel_options=SM90)
 
 
 @gpu

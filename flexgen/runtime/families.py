@@ -43,6 +43,7 @@ class Call:
     scored: bool = False  # a score_mod
     mod_loads: bool = False  # score_mod or mask_mod reads a buffer
     score_folds: bool = False  # a forward's score_mod folds into per-head terms (dsl/affine.py, dsl/softcap.py)
+    score_affine: bool = False  # a backward's score_mod folds into affine terms of the indices (ALiBi, dsl/affine.py)
     mask_loads: bool = False  # mask_mod reads a buffer
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
@@ -264,10 +265,10 @@ class SM90(Family):
     # element per score (a relative-bias table spills 228 B), nor with dropout (520-610 B) or buffer gradients
     # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
-    # D = 96 / 128 without a mask or score_mod: 80 query rows per step (FlashAttention-3's and FA4's non-causal
-    # tile), a step's fixed costs over 25% more rows; dQ is computed transposed (templates/sm90/bwd.cu.j2,
-    # DQ_TRANSPOSED). Shared memory: 231,808 of 232,448 bytes. A soft cap over 80 rows ran 5% slower (unfolded: folded
-    # it spills), so score_mods keep 64-row steps.
+    # D = 96 / 128 without a mask: 80 query rows per step (FlashAttention-3's and FA4's non-causal tile), a step's
+    # fixed costs over 25% more rows; dQ is computed transposed (templates/sm90/bwd.cu.j2, DQ_TRANSPOSED). Shared
+    # memory: 231,808 of 232,448 bytes. A score_mod only where it folds into affine terms (ALiBi with fixed slopes:
+    # 1.4% less); a soft cap over 80 rows ran 5% slower (unfolded: folded it spills), so it keeps 64-row steps.
     BWD_TALL = (80, 128, 8, 2)
     # D = 256: dK and dV of 64 keys over all of D would take 256 registers a thread, so both warpgroups work on the
     # same 64 keys and split the head dim (templates/sm90/bwd.cu.j2, WIDE_HEAD).
@@ -335,7 +336,9 @@ class SM90(Family):
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
         wide = (panel_width(call.head_dim) == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
                 and not call.dropout and not call.buffer_grads)
-        tall = (panel_width(call.head_dim) == 128 and not call.masked and not call.scored and call.mask_block is None
+        # (80-row steps: unmasked, and a score_mod only where it folds into affine terms; a soft cap lost 5%)
+        tall = (panel_width(call.head_dim) == 128 and not call.masked and call.mask_block is None
+                and (not call.scored or (call.score_affine and not call.buffer_grads))
                 and not call.deterministic and not call.dropout)
         return self.BWD_WIDE if wide else self.BWD_TALL if tall else self.BWD
 

@@ -62,6 +62,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 masked=mask_expr is not None, scored=score_expr is not None,
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
                 score_folds=score_expr is not None and _score_folds(kind, score_expr, extra),
+                score_affine=score_expr is not None and _score_affine(kind, score_expr, extra),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
                 max_scores=bool(dict(extra).get("max_scores", False)),
                 split_kv=bool(dict(extra).get("split_kv", False)),
@@ -83,6 +84,17 @@ def _score_folds(kind: str, score_expr: Node, extra) -> bool:
     from ..dsl.folds import score_fold
 
     return score_fold(score_expr) is not None
+
+
+def _score_affine(kind: str, score_expr: Node, extra) -> bool:
+    """Whether a backward's score_mod is affine in the indices (ALiBi-like), which its template computes by terms of
+    its own (`fold_score`, on by default)."""
+    if kind != "bwd" or not dict(extra).get("fold_score", True):
+        return False
+    from ..dsl.affine import AffineScore
+    from ..dsl.folds import score_fold
+
+    return isinstance(score_fold(score_expr), AffineScore)
 
 
 def _operations(expr: Node) -> int:
