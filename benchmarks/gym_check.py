@@ -193,12 +193,13 @@ def at_stage(stage: str, fn, *args):
         raise StageFailed(stage) from e
 
 
-def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device, grad: bool = False) -> tuple[bool, str]:
+def run(name: str, fns: dict, lengths: tuple[int, int], dtype, device, grad: bool = False,
+        head_dim: int = D) -> tuple[bool, str]:
     q_len, kv_len = lengths
     gen = torch.Generator(device=device).manual_seed(len(name))
-    q, k, v = (torch.randn(B, H, n, D, generator=gen, device=device, dtype=torch.float64)
+    q, k, v = (torch.randn(B, H, n, head_dim, generator=gen, device=device, dtype=torch.float64)
                for n in (q_len, kv_len, kv_len))
-    grad_out = torch.randn(B, H, q_len, D, generator=gen, device=device, dtype=torch.float64) if grad else None
+    grad_out = torch.randn(B, H, q_len, head_dim, generator=gen, device=device, dtype=torch.float64) if grad else None
     mask, score = fns.get("mask"), fns.get("score")
     theirs = torch_flex.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
     ours = flexgen.create_block_mask(mask, B, H, q_len, kv_len, device=device) if mask else None
@@ -249,6 +250,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on a GPU, fp64 on the CPU")
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default 1024 on a GPU, 64)")
     parser.add_argument("--only", default=None, help="comma list of case names (default: every case)")
+    parser.add_argument("--head-dim", type=int, default=D, help=f"head dim of q, k and v (default {D})")
     parser.add_argument("--grad", action="store_true",
                         help="also compare dQ, dK and dV (each relative to its largest element) for a random dO")
     args = parser.parse_args()
@@ -266,7 +268,7 @@ def main() -> int:
         checks = [case for case in checks if case[0] in wanted]
     for name, fns, lengths in checks:
         try:
-            ok, line = run(name, fns, lengths, dtype, device, args.grad)
+            ok, line = run(name, fns, lengths, dtype, device, args.grad, args.head_dim)
         except Exception as e:  # a refusal is a failure too: report it (where, and its traceback) and go on
             cause = e.__cause__ if isinstance(e, StageFailed) else e
             where = f"{e.stage}: " if isinstance(e, StageFailed) else ""
@@ -274,7 +276,8 @@ def main() -> int:
             traceback.print_exception(cause, file=sys.stderr)
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:24s} {line}", flush=True)
-    print(f"{failed} failed of {len(checks)} ({dtype}, {device}, {n} tokens{', with gradients' if args.grad else ''})")
+    print(f"{failed} failed of {len(checks)} ({dtype}, {device}, {n} tokens, D = {args.head_dim}"
+          f"{', with gradients' if args.grad else ''})")
     return 1 if failed else 0
 
 

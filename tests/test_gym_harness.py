@@ -131,3 +131,26 @@ def test_gym_check_names_the_call_that_raised():
     assert raised.value.stage == "flexgen compiled"
     assert isinstance(raised.value.__cause__, ValueError) and "cannot take 3" in str(raised.value.__cause__)
     assert gym_check.at_stage("float64 reference", lambda x: x + 1, 3) == 4
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_gym_check_runs_a_case_at_the_head_dim_asked_for(monkeypatch):
+    """--head-dim sets the head dim of q, k and v (the kernels differ by head dim: 80-row backward steps at 96 / 128)."""
+    import torch
+
+    gym_check = _gym_check()
+    seen = []
+    original = gym_check.flexgen.flex_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape[-1])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(gym_check.flexgen, "flex_attention", spy)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    ok, line = gym_check.run("causal", {"mask": causal}, (40, 40), torch.float64, torch.device("cpu"), head_dim=24)
+    assert ok, line
+    assert seen and set(seen) == {24}
