@@ -21,7 +21,7 @@ def _warming_up_in_a_graph_pool() -> bool:
     try:
         manager = trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         return manager is not None and torch.cuda.current_stream() == manager.stream
-    except (AttributeError, TypeError, RuntimeError):  # (a PyTorch whose internals moved: as before them)
-        return False
-    except AssertionError:  # (torch 2.11 asserts its per-thread state exists: a plain thread has none, and no graph)
+    # (a PyTorch whose internals moved: as before them; AssertionError: torch 2.11 asserts that the thread has the
+    # trees' per-thread state, which a plain thread lacks, and where there is no graph either)
+    except (AttributeError, TypeError, RuntimeError, AssertionError):
         return False

@@ -14,6 +14,8 @@ import torch
 
 from ..codegen.options import CALL_BWD_TILES, CALL_FLAGS, CALL_FWD_TILES, call_options
 from ..codegen.spec import KINDS, KernelSpec, with_dq_layout
+from ..dsl.affine import AffineScore
+from ..dsl.folds import score_fold
 from ..dsl.graph import postorder
 from ..dsl.ir import Node, buffers_of, has_positional_loads
 from ..dsl.mod import Mod
@@ -54,6 +56,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
         raise TypeError(f"unknown tile field(s) {unknown}; tile fields are {TILE_FIELDS}")
     score_loads = score_expr is not None and bool(buffers_of(score_expr))
     mask_loads = mask_expr is not None and bool(buffers_of(mask_expr))
+    fold = _score_fold(score_expr, extra)
     call = Call(kind, arch, head_dim, dtype, dropout=dropout, buffer_grads=bool(grad_buffers),
                 deterministic=deterministic,
                 score_loads_per_element=score_expr is not None and has_positional_loads(score_expr),
@@ -61,8 +64,8 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 blocks_follow_mask=blocks_follow_mask,
                 masked=mask_expr is not None, scored=score_expr is not None,
                 mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
-                score_folds=score_expr is not None and _score_folds(kind, score_expr, extra),
-                score_affine=score_expr is not None and _score_affine(kind, score_expr, extra),
+                score_folds=kind == "fwd" and fold is not None,
+                score_affine=kind == "bwd" and isinstance(fold, AffineScore),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
                 max_scores=bool(dict(extra).get("max_scores", False)),
                 split_kv=bool(dict(extra).get("split_kv", False)),
@@ -76,25 +79,13 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
 _plan_cached = functools.lru_cache(maxsize=4096)(_plan)
 
 
-def _score_folds(kind: str, score_expr: Node, extra) -> bool:
-    """Whether a forward's score_mod reduces to per-head terms that a forward computes once per work tile
-    (ALiBi-like or a soft cap; the `fold_score` option, on by default)."""
-    if kind != "fwd" or not dict(extra).get("fold_score", True):
-        return False
-    from ..dsl.folds import score_fold
-
-    return score_fold(score_expr) is not None
-
-
-def _score_affine(kind: str, score_expr: Node, extra) -> bool:
-    """Whether a backward's score_mod is affine in the indices (ALiBi-like), which its template computes by terms of
-    its own (`fold_score`, on by default)."""
-    if kind != "bwd" or not dict(extra).get("fold_score", True):
-        return False
-    from ..dsl.affine import AffineScore
-    from ..dsl.folds import score_fold
-
-    return isinstance(score_fold(score_expr), AffineScore)
+def _score_fold(score_expr: Node | None, extra):
+    """The per-head terms a score_mod reduces to (an AffineScore or SoftcapScore, dsl/folds.py), which the templates
+    compute themselves where the `fold_score` option (on by default) lets them; the planner gives such a forward its
+    tiles, and an affine one the backward's 80-row steps."""
+    if score_expr is None or not dict(extra).get("fold_score", True):
+        return None
+    return score_fold(score_expr)
 
 
 def _operations(expr: Node) -> int:
