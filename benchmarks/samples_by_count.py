@@ -6,10 +6,11 @@ of samples per group says what a work tile's own code costs against a step's (do
     ncu -k flexgen_fwd --launch-skip 1 --launch-count 1 --section SourceCounters -o prof \\
         python benchmarks/profile_one.py --variant sliding1024 --seqlen 8192 --fwd-only
     ncu -i prof.ncu-rep --page source --csv --print-source sass > prof_sass.csv
-    python benchmarks/samples_by_count.py prof_sass.csv --per 16384 --top 8
+    python benchmarks/samples_by_count.py prof_sass.csv --per 16384 --top 8 [--opcodes]
 
 Prints each executed count with its instructions and share of all samples (largest first), then, for the counts
-given with `--per`, the instructions holding the most samples with their two main stall reasons. Needs no GPU.
+given with `--per`, the instructions holding the most samples with their two main stall reasons (and with
+`--opcodes`, the count's instructions by opcode: what two kernels' steps differ by). Needs no GPU.
 """
 from __future__ import annotations
 
@@ -69,7 +70,28 @@ def by_count(instructions: list[Instruction]) -> list[tuple[int, int, int]]:
     return sorted(((count, n, s) for count, (n, s) in groups.items()), key=lambda t: -t[2])
 
 
-def report(instructions: list[Instruction], per: list[int], top: int, groups: int, out=sys.stdout) -> None:
+def opcode(source: str) -> str:
+    """The instruction's opcode with its modifiers, its predicate dropped: `@!P0 BRA 0x10` -> `BRA`."""
+    words = source.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def opcodes(instructions: list[Instruction], counts: set[int]) -> dict[str, tuple[int, int]]:
+    """Per opcode, (instructions, samples) among those executed a number of times in `counts`, most first: what one
+    path of the code (a step, the unmasked part of a step) is made of."""
+    table: dict[str, list[int]] = {}
+    for ins in instructions:
+        if ins.executed in counts:
+            entry = table.setdefault(opcode(ins.source), [0, 0])
+            entry[0] += 1
+            entry[1] += ins.samples
+    return {op: (n, s) for op, (n, s) in sorted(table.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))}
+
+
+def report(instructions: list[Instruction], per: list[int], top: int, groups: int, out=sys.stdout,
+           with_opcodes: bool = False) -> None:
     total = sum(i.samples for i in instructions) or 1
     print(f"{len(instructions)} instructions, {total} samples", file=out)
     print("| executed | instructions | samples | share |", file=out)
@@ -85,6 +107,9 @@ def report(instructions: list[Instruction], per: list[int], top: int, groups: in
             why = ", ".join(f"{name[len('stall_'):]} {v}" for name, v in reasons if v)
             print(f"  +{ins.offset:#07x} {ins.samples:6d} ({100 * ins.samples / total:.1f}%)  {why:30s}  {ins.source}",
                   file=out)
+        if with_opcodes:
+            ops = ", ".join(f"{op} {n} ({s})" for op, (n, s) in opcodes(instructions, {count}).items())
+            print(f"  opcodes (instructions (samples)): {ops}", file=out)
 
 
 def main(argv=None) -> None:
@@ -93,12 +118,13 @@ def main(argv=None) -> None:
     p.add_argument("--per", default="", help="comma list of executed counts to list instruction by instruction")
     p.add_argument("--top", type=int, default=8, help="instructions listed per chosen count")
     p.add_argument("--groups", type=int, default=20, help="executed counts in the summary table")
+    p.add_argument("--opcodes", action="store_true", help="for each --per count, its instructions by opcode")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
         instructions = read_instructions(f.read())
     if not instructions:
         sys.exit(f"samples_by_count: no instruction rows in {args.csv} (expected ncu's source page as CSV)")
-    report(instructions, [int(c) for c in args.per.split(",") if c], args.top, args.groups)
+    report(instructions, [int(c) for c in args.per.split(",") if c], args.top, args.groups, with_opcodes=args.opcodes)
 
 
 if __name__ == "__main__":

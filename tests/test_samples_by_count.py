@@ -48,6 +48,20 @@ def test_groups_by_executed_count_with_offsets_and_stall_reasons(script):
     assert "+0x00010     40 (10.0%)  barrier 40" in text and "LDC" not in text.split("most sampled:")[1]
 
 
+def test_opcodes_of_one_path_without_predicates(script):
+    rows = ROWS + [(0x7F50, "@P1 HGMMA.64x128x16.F32.BF16 R24, gdesc[UR9], R24", 7, 6400, 0, 0, 7)]
+    ins = script.read_instructions(_csv(rows))
+    assert script.opcode("@!P0 BRA 0x7f80") == "BRA" and script.opcode("NOP") == "NOP"
+    ops = script.opcodes(ins, {6400})
+    assert ops == {"HGMMA.64x128x16.F32.BF16": (2, 307), "BRA": (1, 60)}
+    assert list(ops) == ["HGMMA.64x128x16.F32.BF16", "BRA"]  # most instructions first
+    assert script.opcodes(ins, {100, 0}) == {"LDC": (1, 1), "SYNCS.PHASECHK.TRANS64.TRYWAIT": (1, 0),
+                                             "WARPGROUP.DEPBAR.LE": (1, 40)}
+    out = io.StringIO()
+    script.report(ins, per=[6400], top=1, groups=10, out=out, with_opcodes=True)
+    assert "opcodes (instructions (samples)): HGMMA.64x128x16.F32.BF16 2 (307), BRA 1 (60)" in out.getvalue()
+
+
 def test_refuses_a_file_without_instruction_rows(script, tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text('"Kernel Name","x",\n' + HEADER + "\n")
