@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # flexgen from this tree
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from samples_by_count import opcode  # noqa: E402
 
 # Runs in FA4's Python: compiles one forward and one backward on fake CUDA tensors, keeping the cubins.
 FA4_COMPILE = """
@@ -36,18 +38,33 @@ with FakeTensorMode(allow_non_fake_inputs=True):
 """
 
 
-def basic_blocks(sass: str) -> list[tuple[str, list[str]]]:
-    """(label, opcodes) per basic block of nvdisasm's output; predicates dropped, modifiers kept off."""
-    blocks: list[tuple[str, list[str]]] = [("entry", [])]
+def instructions_and_labels(sass: str) -> tuple[list[str], dict[str, int]]:
+    """nvdisasm -c output as its instructions' texts (address and `;` dropped) and, per label, the index of the
+    instruction that follows it."""
+    instructions: list[str] = []
+    labels: dict[str, int] = {}
     for line in sass.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
         if label:
-            blocks.append((label.group(1), []))
+            labels[label.group(1)] = len(instructions)
         elif line.strip().startswith("/*") and "*/" in line and ";" in line:
-            words = [w for w in line.split("*/", 1)[1].split() if not w.startswith("@")]
-            if words:
-                blocks[-1][1].append(words[0].rstrip(";").split(".")[0])
-    return blocks
+            text = line.split("*/", 1)[1].split(";", 1)[0].strip()
+            if text:
+                instructions.append(text)
+    return instructions, labels
+
+
+def bare_opcode(text: str) -> str:
+    """An instruction's opcode without its predicate and modifiers."""
+    return opcode(text).split(".")[0]
+
+
+def basic_blocks(sass: str) -> list[tuple[str, list[str]]]:
+    """(label, opcodes) per basic block of nvdisasm's output; predicates dropped, modifiers kept off."""
+    instructions, labels = instructions_and_labels(sass)
+    starts = [("entry", 0)] + sorted(labels.items(), key=lambda item: item[1])
+    ends = [start for _, start in starts[1:]] + [len(instructions)]
+    return [(label, [bare_opcode(t) for t in instructions[start:end]]) for (label, start), end in zip(starts, ends)]
 
 
 def report(name: str, sass: str, min_block: int) -> None:

@@ -1,20 +1,20 @@
 """Before a device call: what a kernel change did to the sm90 kernels' spills and to their per-step loop, on several
-flexgen trees, compiled here with nvcc (no GPU needed).
+flexgen trees, compiled here (no GPU needed).
 
-    python3 benchmarks/static_ab.py --tree base=.gpu/ab_base --tree new=. [--kind fwd] [--only d128_causal,...]
+    python3 benchmarks/static_ab.py --tree base=.gpu/ab_base --tree new=. [--kind fwd] [--only fwd_d128_causal,...]
 
-For each tree a child process with that tree's flexgen on its path renders the kernels of CASES (the variants
-kernel_ab.py measures); nvcc compiles them to sm_90a cubins with ptxas's report. The table gives per kernel and tree
-the bytes spilled and, with nvdisasm (pip's nvidia-cuda-nvdisasm, `--nvdisasm`), the instructions of the step loop:
-the innermost loop that issues at least MIN_PRODUCTS wgmma (`HGMMA`) and MIN_EXPONENTIALS `MUFU`, counted statically
-(every branch of it: the dispatch over partial and ragged tiles included). Later
-trees are shown against the first. Spills and a loop that grew are what a device call would otherwise find first.
+For each tree a child process with that tree's flexgen on its path builds the kernels of CASES (the variants
+kernel_ab.py measures) for sm_90a through flexgen's own compiler path, in a scratch kernel cache. The table gives per
+kernel and tree the bytes ptxas spilled, whether it serialised the wgmmas, and, with nvdisasm (pip's
+nvidia-cuda-nvdisasm, `--nvdisasm`), the instructions of the step loop: the innermost loop that issues at least
+MIN_PRODUCTS wgmma (`HGMMA`) and MIN_EXPONENTIALS `MUFU`, counted statically (every branch of it: the dispatch over
+partial and ragged tiles included). Later trees are shown against the first. Spills and a loop that grew are what a
+device call would otherwise find first.
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import json
 import os
 import re
@@ -22,6 +22,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_side_by_side import bare_opcode, disassemble, instructions_and_labels  # noqa: E402
 
 MIN_PRODUCTS, MIN_EXPONENTIALS = 8, 32  # a step: its products, and the exponentials of P (64 or 128 rows x its keys)
 
@@ -44,78 +47,59 @@ CASES = {
     "bwd_d64_causal": ("bwd", 64, "None", "V.causal", {}),
 }
 
-# Runs in the child, with a tree's flexgen first on sys.path: writes each case's CUDA source into the folder given.
-RENDER = """
-import json, sys, torch
+# Runs in the child, with a tree's flexgen first on sys.path and a scratch kernel cache: builds each case, writes its
+# cubin into the folder given, and prints what ptxas reported, as JSON.
+BUILD = """
+import concurrent.futures, json, sys, torch
 from flexgen import variants as V
-from flexgen.codegen.api import emit
-cases, out = json.loads(sys.argv[1]), sys.argv[2]
-for name, (kind, head_dim, score, mask, options) in cases.items():
+from flexgen.cache import jit
+from flexgen.codegen.api import make_spec
+cases, out, jobs = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def build(name):
+    kind, head_dim, score, mask, options = cases[name]
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-    source = emit(kind, eval(score), eval(mask), head_dim=head_dim, dtype="bf16", arch="sm_90a", **options)
-    open(f"{out}/{name}.cu", "w").write(source)
+    try:
+        spec = make_spec(kind, eval(score), eval(mask), head_dim=head_dim, dtype="bf16", arch="sm_90a", **options)
+        kernel = jit.get_kernel(spec, child_process=True)
+    except Exception as e:
+        return {"error": str(e)[-400:]}
+    open(f"{out}/{name}.cubin", "wb").write(kernel.cubin)
+    return {"spill": kernel.resources.get("spill_stores_bytes", -1),
+            "serialized": "serialized" in kernel.meta.get("compiler_log", "")}
+with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    print(json.dumps(dict(zip(cases, pool.map(build, cases)))))
 """
-
-
-def opcode(text: str) -> str:
-    words = text.split()
-    return words[1] if words[0].startswith("@") else words[0]
-
-
-def parse_sass(sass: str) -> tuple[list[str], dict[str, int]]:
-    """nvdisasm -c output as (instruction texts, label -> index of the instruction that follows it)."""
-    instructions, labels = [], {}
-    for line in sass.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = len(instructions)
-        ins = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?)\s*;", line)
-        if ins:
-            instructions.append(ins.group(1))
-    return instructions, labels
 
 
 def step_loop(sass: str) -> collections.Counter | None:
     """Opcode counts of the innermost loop (a backward branch's span) with a step's products and exponentials."""
-    instructions, labels = parse_sass(sass)
+    instructions, labels = instructions_and_labels(sass)
     best = None
     for end, text in enumerate(instructions):
-        if not opcode(text).startswith("BRA"):
+        if bare_opcode(text) != "BRA":
             continue
         target = re.search(r"(\.L_x_\d+)", text)
         start = labels.get(target.group(1)) if target else None
         if start is None or start > end:
             continue
-        body = collections.Counter(opcode(t).split(".")[0] for t in instructions[start:end + 1])
+        body = collections.Counter(bare_opcode(t) for t in instructions[start:end + 1])
         step = body["HGMMA"] >= MIN_PRODUCTS and body["MUFU"] >= MIN_EXPONENTIALS
         if step and (best is None or sum(body.values()) < sum(best.values())):
             best = body
     return best
 
 
-def compile_case(cu: Path, nvdisasm: str | None) -> dict:
-    cubin = cu.with_suffix(".cubin")
-    run = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", "-o", str(cubin),
-                          str(cu)], capture_output=True, text=True)
-    log = run.stdout + run.stderr
-    if run.returncode != 0:
-        return {"error": log[-400:]}
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    out = {"spill": int(spill.group(1)) if spill else -1, "serialized": "serialized" in log}
-    if nvdisasm:
-        loop = step_loop(subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True,
-                                        check=True).stdout)
-        out["loop"] = sum(loop.values()) if loop else None
-    return out
-
-
 def measure(tree: Path, cases: dict, nvdisasm: str | None, jobs: int) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-c", RENDER, json.dumps(cases), tmp], check=True, cwd=tree,
-                       env={**os.environ, "PYTHONPATH": str(tree.resolve())})
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            results = pool.map(lambda name: compile_case(Path(tmp) / f"{name}.cu", nvdisasm), cases)
-            return dict(zip(cases, results))
+        env = {**os.environ, "PYTHONPATH": str(tree.resolve()), "FLEXGEN_CACHE_DIR": f"{tmp}/cache"}
+        built = subprocess.run([sys.executable, "-c", BUILD, json.dumps(cases), tmp, str(jobs)], check=True, cwd=tree,
+                               env=env, capture_output=True, text=True)
+        results = json.loads(built.stdout.strip().splitlines()[-1])
+        for name, result in results.items():
+            if nvdisasm and "error" not in result:
+                loop = step_loop(disassemble((Path(tmp) / f"{name}.cubin").read_bytes(), nvdisasm, None, name))
+                result["loop"] = sum(loop.values()) if loop else None
+        return results
 
 
 def cell(result: dict, first: dict | None) -> str:
