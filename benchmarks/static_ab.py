@@ -43,6 +43,8 @@ CASES = {
     "bwd_d128_full": ("bwd", 128, "None", "None", {}),
     "bwd_d128_causal": ("bwd", 128, "None", "V.causal", {}),
     "bwd_d128_alibi_causal": ("bwd", 128, "V.alibi(16)", "V.causal", {}),
+    "bwd_d128_softcap_causal": ("bwd", 128, "V.softcap(30.0)", "V.causal", {}),
+    "bwd_d128_document": ("bwd", 128, "None", "V.document(torch.zeros(64, dtype=torch.int32))", {}),
     "bwd_d64_full": ("bwd", 64, "None", "None", {}),
     "bwd_d64_causal": ("bwd", 64, "None", "V.causal", {}),
 }
