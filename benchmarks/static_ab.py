@@ -41,6 +41,7 @@ CASES = {
     "fwd_d64_softcap_causal": ("fwd", 64, "V.softcap(30.0)", "V.causal", {"mask_block": (128, 128)}),
     "fwd_d256_causal": ("fwd", 256, "None", "V.causal", {}),
     "bwd_d128_full": ("bwd", 128, "None", "None", {}),
+    "bwd_d128_alibi": ("bwd", 128, "V.alibi(16)", "None", {}),
     "bwd_d128_causal": ("bwd", 128, "None", "V.causal", {}),
     "bwd_d128_alibi_causal": ("bwd", 128, "V.alibi(16)", "V.causal", {}),
     "bwd_d128_softcap_causal": ("bwd", 128, "V.softcap(30.0)", "V.causal", {}),
