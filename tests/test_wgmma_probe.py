@@ -74,3 +74,19 @@ def test_wgmma_matches_torch(probe, compiled, name):
         c, ref = probe.run(compiled[0], mode, mode.lbo, mode.sbo, seed)
         err = probe.rel_error(c, ref)
         assert err <= probe.TOLERANCE, f"{name} seed {seed}: max rel error {err:.3e}\n{probe.bad_blocks(c, ref)}"
+
+
+ISSUE_PROBE = PROBE.with_name("wgmma_issue_probe.py")
+
+
+def test_issue_probe_compiles_each_case_unserialised():
+    """The issue-timing probe (benchmarks/probes/wgmma_issue_probe.py) times what it means to: every case it runs is
+    an entry of the cubin, and ptxas kept the products in flight (a serialised build would time the serialisation)."""
+    spec = importlib.util.spec_from_file_location("wgmma_issue_probe", ISSUE_PROBE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.compile_probe()
+    assert "C75" not in out.log, out.log
+    for filler, per_group in mod.CONFIGS:
+        assert f"Compiling entry function 'wgmma_issue_probe_{filler}_{per_group}'" in out.log
+    assert "wgmma.mma_async" not in mod.PROBE_SOURCE.read_text()  # the kernels' own wrappers
