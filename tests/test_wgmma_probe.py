@@ -17,8 +17,8 @@ gpu = pytest.mark.gpu
 PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "wgmma_probe.py"
 
 
-def _probe():
-    spec = importlib.util.spec_from_file_location("wgmma_probe", PROBE)
+def _probe(path=PROBE):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclass looks its module up there
     spec.loader.exec_module(mod)
@@ -82,9 +82,7 @@ ISSUE_PROBE = PROBE.with_name("wgmma_issue_probe.py")
 def test_issue_probe_compiles_each_case_unserialised():
     """The issue-timing probe (benchmarks/probes/wgmma_issue_probe.py) times what it means to: every case it runs is
     an entry of the cubin, and ptxas kept the products in flight (a serialised build would time the serialisation)."""
-    spec = importlib.util.spec_from_file_location("wgmma_issue_probe", ISSUE_PROBE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _probe(ISSUE_PROBE)
     out = mod.compile_probe()
     assert "C75" not in out.log, out.log
     for filler, per_group in mod.CONFIGS:
