@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import threading
 
 import torch
 
@@ -197,6 +198,7 @@ def head_chunk(pairs: int, kv_len: int, head_dim: int, elem_bytes: int, kv_group
 
 
 _counters: dict[tuple[int, int], torch.Tensor] = {}
+_counters_lock = threading.Lock()
 
 
 def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
@@ -209,7 +211,13 @@ def tile_counter(device: torch.device, stream: int) -> torch.Tensor:
     key = (device.index, stream)
     counter = _counters.get(key)
     if counter is None:
-        counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        # Made once under a lock: two threads' first launches on a stream would otherwise each make one, and the
+        # one the dictionary drops is freed while its launch still points at it (its memory then reused, the
+        # counter garbage by the time the kernel draws from it).
+        with _counters_lock:
+            counter = _counters.get(key)
+            if counter is None:
+                counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 
 
