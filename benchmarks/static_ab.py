@@ -48,6 +48,9 @@ CASES = {
     "bwd_d128_document": ("bwd", 128, "None", "V.document(torch.zeros(64, dtype=torch.int32))", {}),
     "bwd_d64_full": ("bwd", 64, "None", "None", {}),
     "bwd_d64_causal": ("bwd", 64, "None", "V.causal", {}),
+    "bwd_d256_causal": ("bwd", 256, "None", "V.causal", {}),
+    "bwd_d128_dropout_alibi_causal": ("bwd", 128, "V.alibi(16)", "V.causal", {"dropout": True}),
+    "bwd_d64_dropout_causal": ("bwd", 64, "None", "V.causal", {"dropout": True}),
 }
 
 # Runs in the child, with a tree's flexgen first on sys.path and a scratch kernel cache: builds each case, writes its
