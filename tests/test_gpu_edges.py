@@ -321,3 +321,52 @@ def test_a_thread_whose_first_cuda_work_is_a_flexgen_launch():
     assert "out" in seen, "the launch in a fresh thread failed"
     assert seen["context before"] == 0  # (else this test shows nothing)
     assert torch.equal(seen["out"], want)
+
+
+@gpu
+def test_threads_whose_first_launches_on_a_stream_coincide():
+    """Eight threads start at once on a stream no launch has used (the persistent forward's tile counter is made at
+    a stream's first launch), each with a variant of its own, forward and backward: each gets what the same call
+    gets alone. (The forward is deterministic: bitwise; the gradients' dQ sums in any order: close.)"""
+    import threading
+
+    seed = fresh_seed()
+    stream, count = torch.cuda.Stream(), 8
+    calls = []
+    for i in range(count):
+        cap = 10.0 + i
+        score = flexgen.score_mod(lambda s, b, h, q, kv, cap=cap: cap * torch.tanh(s / cap))
+        window = 128 * (i + 1)
+        bm = flexgen.create_block_mask(lambda b, h, q, kv, w=window: (q >= kv) & (q - kv < w), None, None, 1024, 1024,
+                                       device=DEV)
+        q, k, v = (torch.randn(2, 4, 1024, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+        calls.append((q, k, v, score, bm, torch.randn(2, 4, 1024, 128, device=DEV, dtype=torch.bfloat16)))
+
+    def run(q, k, v, score, bm, w):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = flexgen.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+        (out.float() * w.float()).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    torch.cuda.synchronize()
+    start, got = threading.Barrier(count), {}
+
+    def worker(i):
+        with torch.cuda.stream(stream):
+            start.wait()
+            got[i] = run(*calls[i])
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    torch.cuda.synchronize()
+    assert sorted(got) == list(range(count)), f"a thread failed (seed {seed})"
+    for i, call in enumerate(calls):
+        alone = run(*call)
+        assert torch.equal(got[i][0], alone[0]), f"thread {i}: the output differs from the call alone (seed {seed})"
+        for name, g, a in zip("qkv", got[i][1:], alone[1:]):
+            assert not torch.isnan(g).any(), f"thread {i}: NaN in d{name} (seed {seed})"
+            torch.testing.assert_close(g.float(), a.float(), rtol=2e-2, atol=2e-2 * a.float().abs().max().item(),
+                                       msg=lambda m: f"thread {i}, d{name} (seed {seed}): {m}")
