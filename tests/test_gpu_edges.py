@@ -328,7 +328,7 @@ def test_threads_whose_first_launches_on_a_stream_coincide():
     """Eight threads start at once on a stream no launch has used (the persistent forward's tile counter is made at
     a stream's first launch), each with a variant of its own, forward and backward: each gets what the same call
     gets alone. (The forward is deterministic: bitwise; the gradients' dQ sums in any order: close.)"""
-    import threading
+    from at_once import at_once
 
     seed = fresh_seed()
     stream, count = torch.cuda.Stream(), 8
@@ -348,21 +348,13 @@ def test_threads_whose_first_launches_on_a_stream_coincide():
         (out.float() * w.float()).sum().backward()
         return out.detach(), q.grad, k.grad, v.grad
 
-    torch.cuda.synchronize()
-    start, got = threading.Barrier(count), {}
-
-    def worker(i):
+    def on_the_stream(i):
         with torch.cuda.stream(stream):
-            start.wait()
-            got[i] = run(*calls[i])
+            return run(*calls[i])
 
-    pool = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
     torch.cuda.synchronize()
-    assert sorted(got) == list(range(count)), f"a thread failed (seed {seed})"
+    got = at_once(on_the_stream, count, tag=f" (seed {seed})")
+    torch.cuda.synchronize()
     for i, call in enumerate(calls):
         alone = run(*call)
         assert torch.equal(got[i][0], alone[0]), f"thread {i}: the output differs from the call alone (seed {seed})"

@@ -221,8 +221,9 @@ def test_a_tail_choice_keeps_the_bound_until_the_costs_have_arrived(monkeypatch)
 def test_threads_first_on_a_stream_share_one_tile_counter(monkeypatch):
     """Threads that launch first on a stream at the same moment get the same counter: one made by a thread and dropped
     from the table by another would be freed under its launch."""
-    import threading
     import time
+
+    from at_once import at_once
 
     monkeypatch.setattr(schedule, "_counters", {})
     monkeypatch.setattr(schedule, "allocating_for_a_graph", lambda: False)
@@ -235,17 +236,6 @@ def test_threads_first_on_a_stream_share_one_tile_counter(monkeypatch):
         return zeros(*args, **kwargs)
 
     monkeypatch.setattr(schedule.torch, "zeros", slow_zeros)
-    start = threading.Barrier(8)
-    got = []
-
-    def first_launch():
-        start.wait()
-        got.append(schedule.tile_counter(torch.device("cpu"), 1234))
-
-    threads = [threading.Thread(target=first_launch) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = at_once(lambda i: schedule.tile_counter(torch.device("cpu"), 1234), 8)
     assert len(got) == 8 and all(c is got[0] for c in got)
     assert len(made) == 1 and int(got[0].item()) == 0
