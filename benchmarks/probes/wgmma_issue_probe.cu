@@ -10,6 +10,15 @@
 
 constexpr int STAMPS = 32, GROUPS = 16;
 
+// A zeroed accumulator, fenced for the products about to add into it.
+template <int N>
+__device__ __forceinline__ void zeroed_for_products(float (&d)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) d[i] = 0.f;
+    wgmma_fence();
+    wgmma_fence_operands(d);
+}
+
 // Every count is a template argument: a product under a run-time branch or in a run-time loop makes ptxas serialise
 // all of them (C7519), which would time the serialisation instead.
 template <int FILLER, int PER_GROUP>
@@ -30,10 +39,7 @@ __device__ __forceinline__ void probe(unsigned* out) {
     if (wg == 1) {
         float d[64];
         unsigned stamp[STAMPS];
-        #pragma unroll
-        for (int i = 0; i < 64; ++i) d[i] = 0.f;
-        wgmma_fence();
-        wgmma_fence_operands(d);
+        zeroed_for_products(d);
         #pragma unroll
         for (int i = 0; i < STAMPS; ++i) {
             if (i < FILLER) probe_n128(d, desc, desc, 1);
@@ -58,10 +64,7 @@ __device__ __forceinline__ void probe(unsigned* out) {
         const unsigned begin = clock() - t0;
         float d[32];
         unsigned stamp[GROUPS];
-        #pragma unroll
-        for (int i = 0; i < 32; ++i) d[i] = 0.f;
-        wgmma_fence();
-        wgmma_fence_operands(d);
+        zeroed_for_products(d);
         #pragma unroll
         for (int g = 0; g < GROUPS; ++g) {
             #pragma unroll
@@ -81,11 +84,6 @@ __device__ __forceinline__ void probe(unsigned* out) {
     }
 }
 
+// One entry per case: wgmma_issue_probe.py appends a PROBE_ENTRY(filler, per_group) line for each of its CONFIGS.
 #define PROBE_ENTRY(F, G) \
     extern "C" __global__ void __launch_bounds__(256) wgmma_issue_probe_##F##_##G(unsigned* out) { probe<F, G>(out); }
-PROBE_ENTRY(0, 8)
-PROBE_ENTRY(32, 0)
-PROBE_ENTRY(128, 0)
-PROBE_ENTRY(128, 1)
-PROBE_ENTRY(128, 8)
-PROBE_ENTRY(512, 8)

@@ -33,12 +33,13 @@ WRAPPERS = """{% import "sm90/wgmma_mma.j2" as wgmma %}
 STAMPS, GROUPS = 32, 16
 
 
+CONFIGS = ((0, 8), (32, 0), (128, 0), (128, 1), (128, 8), (512, 8))  # (filler, per_group): one kernel each
+
+
 def source() -> str:
     header = (SM90 / "wgmma.cuh").read_text().replace("#pragma once\n", "")
-    return header + "\n" + environment().from_string(WRAPPERS).render() + "\n" + PROBE_SOURCE.read_text()
-
-
-CONFIGS = ((0, 8), (32, 0), (128, 0), (128, 1), (128, 8), (512, 8))  # (filler, per_group): PROBE_ENTRY in the .cu
+    entries = "".join(f"PROBE_ENTRY({filler}, {per_group})\n" for filler, per_group in CONFIGS)
+    return header + "\n" + environment().from_string(WRAPPERS).render() + "\n" + PROBE_SOURCE.read_text() + entries
 
 
 def compile_probe():
