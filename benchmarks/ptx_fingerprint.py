@@ -4,10 +4,10 @@ generated code, on a machine without a GPU.
     python benchmarks/ptx_fingerprint.py before.json                       # record
     python benchmarks/ptx_fingerprint.py after.json --compare before.json  # exit 1 if any kernel changed
 
-Covers both forward families (sm80 with and without dropout, sm90) at D=64 and 128 with a plain
-mask, a buffer-reading mask with a score_mod, a per-element score load and a transcendental
-score_mod, and the backward with two of them: sm80 at D=64 with and without dropout, sm90 at D=64,
-128 and 256 (its own layout). Comments and the module-level copies of constants are dropped from the PTX before
+Covers both forward families, with and without dropout, at D=64 and 128 with a plain mask, a
+buffer-reading mask with a score_mod, a per-element score load and a transcendental score_mod, and
+the backward with two of them: sm80 at D=64 with and without dropout, sm90 at D=64, 128 and 256 (its
+own layout), with dropout at D=64 and 128 and in deterministic mode at D=128. Comments and the module-level copies of constants are dropped from the PTX before
 hashing (renaming or moving a constexpr changes only those).
 """
 from __future__ import annotations
@@ -42,18 +42,20 @@ def fingerprints() -> dict[str, str]:
     for family in ("sm80", "sm90"):
         for head_dim in (64, 128):
             for name, (score, mask) in cases().items():
-                for dropout in ((False, True) if family == "sm80" else (False,)):
+                for dropout in (False, True):
                     spec = make_spec("fwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
                                      dropout=dropout, family=family)
                     out[f"{family}-D{head_dim}-{name}{'-dropout' if dropout else ''}"] = _hash(render(spec))
-    # The backward: sm80 at D=64 with and without dropout, sm90 at D=64, 128 and 256.
-    bwd = [("sm80", 64, dropout) for dropout in (False, True)] + [("sm90", head_dim, False) for head_dim in (64, 128, 256)]
-    for family, head_dim, dropout in bwd:
+    # The backward: sm80 at D=64 with and without dropout; sm90 at D=64, 128 and 256, with dropout at D=64 and 128,
+    # and in deterministic mode at D=128.
+    bwd = [("sm80", 64, "")] + [("sm80", 64, "dropout")] + [("sm90", head_dim, "") for head_dim in (64, 128, 256)]
+    bwd += [("sm90", 64, "dropout"), ("sm90", 128, "dropout"), ("sm90", 128, "deterministic")]
+    for family, head_dim, mode in bwd:
         for name in ("causal", "alibi_document"):
             score, mask = cases()[name]
-            spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a", dropout=dropout,
-                             family=family)
-            out[f"bwd-{family}-D{head_dim}-{name}{'-dropout' if dropout else ''}"] = _hash(render(spec))
+            spec = make_spec("bwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
+                             dropout=mode == "dropout", deterministic=mode == "deterministic", family=family)
+            out[f"bwd-{family}-D{head_dim}-{name}{'-' + mode if mode else ''}"] = _hash(render(spec))
     return out
 
 
