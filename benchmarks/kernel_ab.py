@@ -11,6 +11,9 @@ H200 moves the same kernel by up to 10% between rounds (benchmarks/ab_bench.sh, 
 case (`cases`, below) with that tree's flexgen on PYTHONPATH and its own kernel cache, and keeps ncu's CSV as
 ncu_<tree>_r<round>.csv. Each case launches the kernel LAUNCHES times; the first (which follows the compile) is
 left out. Prepare other trees with `bash benchmarks/ab_bench.sh prepare REV DIR` and carry them in the call.
+Where a change is expected to be small, give the baseline's tree a second time under another label
+(`--tree base=. --tree same=.gpu/ab_main --tree new=...`): its column is the noise floor of each case in that call,
+which a change must clear (at D = 256 the same kernel moved by up to 1.3% in two rounds).
 """
 from __future__ import annotations
 
