@@ -1,4 +1,5 @@
-"""runtime/coarse_rows.py: a block mask over 192-row query tiles shows every element as the mask itself does."""
+"""runtime/coarse_rows.py: a block mask over 192-row query tiles (the sm90 forward at D = 64) or 80-row ones (the sm90
+backward's steps at D = 128, with transposed lists) shows every element as the mask itself does."""
 from __future__ import annotations
 
 import pytest
@@ -49,11 +50,20 @@ def _per_head(b, h, q, kv):
                                            (_per_head, 3)])
 @pytest.mark.parametrize("q_len,kv_len,block", [(1000, 1000, 128), (777, 1100, 128), (1100, 700, 64), (191, 193, 128),
                                                 (2048, 2048, 64)])
-def test_coarse_rows_show_every_element_as_the_mask(mask_fn, heads, q_len, kv_len, block):
+@pytest.mark.parametrize("rows", [192, 80])
+def test_coarse_rows_show_every_element_as_the_mask(mask_fn, heads, q_len, kv_len, block, rows):
     bm = flexgen.create_block_mask(mask_fn, None, heads, q_len, kv_len, device="cpu", BLOCK_SIZE=block)
-    coarse = coarse_rows(bm, 192)
-    assert coarse.BLOCK_SIZE == (192, block) and coarse.seq_lengths == (q_len, kv_len)
-    assert coarse.kv_indices.shape[-2:] == (-(-q_len // 192), bm.kv_indices.shape[-1])
+    coarse = coarse_rows(bm, rows, q_lists=rows == 80)
+    assert coarse.BLOCK_SIZE == (rows, block) and coarse.seq_lengths == (q_len, kv_len)
+    assert coarse.kv_indices.shape[-2:] == (-(-q_len // rows), bm.kv_indices.shape[-1])
+    if rows == 80:  # the backward's lists: per KV block, the query tiles in the same states, full ones apart
+        assert coarse.q_num_blocks is not None
+        q_cols = coarse.q_indices.shape[-1]
+        q_state = lists_to_dense(coarse.q_num_blocks, coarse.q_indices, q_cols).to(torch.int8)
+        q_state += 2 * lists_to_dense(coarse.full_q_num_blocks, coarse.full_q_indices, q_cols).to(torch.int8)
+        assert torch.equal(q_state.transpose(-2, -1), _state(coarse))
+    else:
+        assert coarse.q_num_blocks is None
     assert coarse.kv_num_blocks.dtype == torch.int32 and coarse.kv_indices.dtype == torch.int32
     h = heads or 1
     want = _visible(bm, mask_fn, 1, h)

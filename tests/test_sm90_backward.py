@@ -155,6 +155,15 @@ def test_backward_query_rows_per_step():
     assert rows(V.alibi(4), D=128, fold_score=False) == 64 and rows(V.softcap(30.0), D=128) == 64
     assert rows(D=128, dropout=True) == 64 and rows(D=128, deterministic=True) == 64
     assert rows(V.relative_bias(torch.zeros(2, 511)), D=128) == 64
+    # under a block mask: 80 rows where its query blocks are multiples of 80 or its lists follow the mask_mod (the
+    # steps walk the unions of the blocks they touch: runtime/coarse_rows.py), not for a mask reading buffers
+    def blocked(score=None, mask=V.causal, block=(128, 128), follow=True, **options):
+        return make_spec("bwd", score, mask, head_dim=128, arch="sm_90a", mask_block=block, blocks_follow_mask=follow,
+                         **SM90, **options).block_m
+
+    assert blocked() == blocked(V.alibi(4)) == blocked(mask=V.sliding_window(1024)) == blocked(block=(64, 128)) == 80
+    assert blocked(follow=False) == 64 and blocked(block=(640, 128), follow=False) == 80
+    assert blocked(mask=V.document(doc_ids)) == blocked(V.softcap(30.0)) == blocked(dropout=True) == 64
 
 
 def test_planning_refuses_what_the_sm90_backward_does_not_cover():

@@ -41,6 +41,7 @@ from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments, rows_aligned
 from .call_checks import empty_like_layout
+from .coarse_rows import coarse_rows
 from ..cache.kernel import dim3
 from ..codegen.spec import dq_fragments
 from .forward import LOG2E, bh_strides, set_dropout_rate
@@ -199,10 +200,11 @@ class BackwardLaunch:
         self.copies = tuple(not rows_aligned(t) for t in (query, key, value, out))
         q, k, v, o = (_meta_copy(t) if copy else t for t, copy in zip((query, key, value, out), self.copies))
 
-        if bm is not None:
-            bm = _int32_lists(bm)
         spec = make_spec("bwd", query, score, mask, kernel_options, dropout=dropout_p > 0, grad_buffers=grad_buffers,
-                         mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None)
+                         mask_block=tuple(bm.BLOCK_SIZE) if bm is not None else None,
+                         blocks_follow_mask=bm is not None and bm.blocks_follow_mask_mod)
+        if bm is not None:  # (steps taller than the mask's query blocks walk their unions: the family allowed it)
+            bm = _int32_lists(coarse_rows(bm, spec.block_m, q_lists=True))
         self.spec, deterministic = spec, spec.deterministic
         # dQ's accumulator: (splits, B, H, q_len, D), or where the main kernel adds dQ in its fragment order,
         # (B, H, q_len_padded, width); the other two kernels are told which.

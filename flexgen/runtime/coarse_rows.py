@@ -1,5 +1,6 @@
 """A block mask over taller query tiles than its own blocks: for the sm90 forward's 192-row tiles (three consumer
-warpgroups, templates/sm90/fwd.cu.j2) under a mask of 64- or 128-row blocks.
+warpgroups, templates/sm90/fwd.cu.j2) under a mask of 64- or 128-row blocks, and the sm90 backward's 80-row steps
+(templates/sm90/bwd.cu.j2), which walk the transposed lists of such a mask.
 
 The kernel walks one list of KV blocks per query tile. A tile of `rows` rows touches two or three of the mask's
 query blocks; its list is their union. A KV block is full for the tile only if it is full for every query block the
@@ -15,21 +16,22 @@ from ..blockmask import BlockMask, dense_to_lists
 from ..blockmask_cache import cached_per_mask, capturing
 
 
-def coarse_rows(block_mask, rows: int):
+def coarse_rows(block_mask, rows: int, q_lists: bool = False):
     """`block_mask` over query tiles of `rows` rows (BLOCK_SIZE (rows, its KV block)); the mask itself where its
-    query blocks are already a multiple of `rows`. Cached per count tensor (blockmask_cache.py); computed afresh
-    under CUDA-graph capture, where a cached tensor's address must not be captured."""
+    query blocks are already a multiple of `rows`. q_lists: with the transposed lists too (what the backward walks).
+    Cached per count tensor (blockmask_cache.py); computed afresh under CUDA-graph capture, where a cached tensor's
+    address must not be captured."""
     bq, bkv = block_mask.BLOCK_SIZE
     if bq % rows == 0:
         return block_mask
     counts, full_counts = block_mask.kv_num_blocks, block_mask.full_kv_num_blocks
     if capturing(counts):
-        return _coarsen(block_mask, rows)
-    key = ("rows", id(counts), id(full_counts), rows, block_mask.seq_lengths, bq)
-    return cached_per_mask(key, counts, full_counts, lambda: _coarsen(block_mask, rows))
+        return _coarsen(block_mask, rows, q_lists)
+    key = ("rows", id(counts), id(full_counts), rows, block_mask.seq_lengths, bq, q_lists)
+    return cached_per_mask(key, counts, full_counts, lambda: _coarsen(block_mask, rows, q_lists))
 
 
-def _coarsen(block_mask, rows: int) -> BlockMask:
+def _coarsen(block_mask, rows: int, q_lists: bool = False) -> BlockMask:
     bq, bkv = block_mask.BLOCK_SIZE
     q_len, kv_len = block_mask.seq_lengths
     device = block_mask.kv_indices.device
@@ -41,8 +43,13 @@ def _coarsen(block_mask, rows: int) -> BlockMask:
     blocks = torch.minimum(first[:, None] + torch.arange(touched, device=device), last[:, None])  # (tiles, touched)
     listed = (partial | full)[..., blocks, :].any(dim=-2)  # (..., tiles, cols)
     all_full = full[..., blocks, :].all(dim=-2)
-    kv_num, kv_idx = dense_to_lists(listed & ~all_full)
+    partial = listed & ~all_full
+    kv_num, kv_idx = dense_to_lists(partial)
     full_num, full_idx = dense_to_lists(all_full)
+    q_num = q_idx = full_q_num = full_q_idx = None
+    if q_lists:
+        q_num, q_idx = dense_to_lists(partial.transpose(-2, -1))
+        full_q_num, full_q_idx = dense_to_lists(all_full.transpose(-2, -1))
     return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
-                     full_kv_indices=full_idx, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
-                     full_q_indices=None, BLOCK_SIZE=(rows, bkv), mask_mod=block_mask.mask_mod)
+                     full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_idx, BLOCK_SIZE=(rows, bkv), mask_mod=block_mask.mask_mod)

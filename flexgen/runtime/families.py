@@ -327,8 +327,9 @@ class SM90(Family):
     @staticmethod
     def _merges_rows(call: Call) -> bool:
         """A forward tile may walk the union of the query blocks it touches (runtime/coarse_rows.py): exact only
-        where the lists follow mask_mod, which then decides every element a union makes partial."""
-        return call.kind == "fwd" and call.blocks_follow_mask
+        where the lists follow mask_mod, which then decides every element a union makes partial. The backward's
+        80-row steps walk such unions too."""
+        return call.blocks_follow_mask and (call.kind == "fwd" or panel_width(call.head_dim) == 128)
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         if panel_width(call.head_dim) == 256:
@@ -336,8 +337,13 @@ class SM90(Family):
         rows_fit = call.mask_block is None or call.mask_block[0] % self.BWD_WIDE[0] == 0
         wide = (panel_width(call.head_dim) == 64 and rows_fit and not call.mask_loads and not call.score_loads_per_element
                 and not call.dropout and not call.buffer_grads)
-        # (80-row steps: unmasked, and a score_mod only where it folds into affine terms; a soft cap lost 5%)
-        tall = (panel_width(call.head_dim) == 128 and not call.masked and call.mask_block is None
+        # (80-row steps: a score_mod only where it folds into affine terms, a soft cap lost 5%; a mask only under
+        # a block mask whose query blocks are multiples of 80 rows or whose lists follow the mask_mod, which the
+        # steps then walk in unions: runtime/coarse_rows.py)
+        blocks_fit = call.mask_block is not None and call.mask_block[1] % self.BWD_TALL[1] == 0 and (
+            call.mask_block[0] % self.BWD_TALL[0] == 0 or self._merges_rows(call))
+        tall = (panel_width(call.head_dim) == 128 and not call.mask_loads
+                and (call.mask_block is None and not call.masked or blocks_fit)
                 and (not call.scored or (call.score_affine and not call.buffer_grads))
                 and not call.deterministic and not call.dropout)
         return self.BWD_WIDE if wide else self.BWD_TALL if tall else self.BWD
