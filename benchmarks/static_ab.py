@@ -48,6 +48,8 @@ CASES = {
     "bwd_d128_causal_blocks": ("bwd", 128, "None", "V.causal", {"mask_block": (128, 128)}),
     "bwd_d128_alibi_causal_blocks": ("bwd", 128, "V.alibi(16)", "V.causal", {"mask_block": (128, 128)}),
     "bwd_d128_sliding_blocks": ("bwd", 128, "None", "V.sliding_window(1024)", {"mask_block": (128, 128)}),
+    "bwd_d128_document_blocks": ("bwd", 128, "None", "V.document(torch.zeros(64, dtype=torch.int32))",
+                                 {"mask_block": (128, 128)}),
     "bwd_d128_document": ("bwd", 128, "None", "V.document(torch.zeros(64, dtype=torch.int32))", {}),
     "bwd_d64_full": ("bwd", 64, "None", "None", {}),
     "bwd_d64_causal": ("bwd", 64, "None", "V.causal", {}),
