@@ -280,12 +280,14 @@ def test_sm90_backward_block_sizes(D, name, block):
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
 def test_sm90_forward_beside_sm80_backward_under_32_row_blocks(D):
-    """Query blocks of 32 rows: the sm90 forward walks their union over its taller tile, the backward (whose
-    steps need whole blocks) runs on sm80, from the forward's output and log-sum-exp."""
+    """Query blocks of 32 rows: the sm90 forward walks their union over its taller tile; the backward's 80-row steps
+    (D = 128) walk unions too, its 128-row steps (D = 64) need whole blocks and run on sm80, from the forward's
+    output and log-sum-exp."""
     from test_gpu_backward import Shape, check_variant
 
     assert make_spec("fwd", None, V.causal, head_dim=D, arch="sm_90a", mask_block=(32, 128)).family == "sm90"
-    assert make_spec("bwd", None, V.causal, head_dim=D, arch="sm_90a", mask_block=(32, 128)).family == "sm80"
+    bwd = make_spec("bwd", None, V.causal, head_dim=D, arch="sm_90a", mask_block=(32, 128))
+    assert (bwd.family, bwd.block_m) == (("sm90", 80) if D == 128 else ("sm80", bwd.block_m))
     check_variant("causal", Shape(2, 3, 1000, 1000), D, torch.bfloat16, bm_kwargs={"BLOCK_SIZE": (32, 128)})
 
 
