@@ -265,10 +265,12 @@ class SM90(Family):
     # element per score (a relative-bias table spills 228 B), nor with dropout (520-610 B) or buffer gradients
     # (ALiBi's slopes: 128 B). A block mask's query blocks must be multiples of 128.
     BWD_WIDE = (128, 128, 8, 2)
-    # D = 96 / 128 without a mask: 80 query rows per step (FlashAttention-3's and FA4's non-causal tile), a step's
-    # fixed costs over 25% more rows; dQ is computed transposed (templates/sm90/bwd.cu.j2, DQ_TRANSPOSED). Shared
-    # memory: 231,808 of 232,448 bytes. A score_mod only where it folds into affine terms (ALiBi with fixed slopes:
-    # 1.4% less); a soft cap over 80 rows ran 5% slower (unfolded: folded it spills), so it keeps 64-row steps.
+    # D = 96 / 128: 80 query rows per step (FlashAttention-3's and FA4's non-causal tile), a step's fixed costs over
+    # 25% more rows; dQ is computed transposed (templates/sm90/bwd.cu.j2, DQ_TRANSPOSED). Shared memory: 231,808 of
+    # 232,448 bytes. A score_mod only where it folds into affine terms (ALiBi with fixed slopes: 1.4% less); a soft
+    # cap over 80 rows ran 5% slower (unfolded: folded it spills), so it keeps 64-row steps. Under a block mask too
+    # (causal 8.5% less), walking unions of its query blocks where they are not multiples of 80 (coarse_rows.py),
+    # but not for a mask that reads buffers (documents spill 158 B).
     BWD_TALL = (80, 128, 8, 2)
     # D = 256: dK and dV of 64 keys over all of D would take 256 registers a thread, so both warpgroups work on the
     # same 64 keys and split the head dim (templates/sm90/bwd.cu.j2, WIDE_HEAD).
