@@ -330,7 +330,7 @@ class SM90(Family):
     def _merges_rows(call: Call) -> bool:
         """A forward tile may walk the union of the query blocks it touches (runtime/coarse_rows.py): exact only
         where the lists follow mask_mod, which then decides every element a union makes partial. The backward's
-        80-row steps walk such unions too."""
+        steps at D = 96 / 128 walk such unions too (its launch coarsens a mask whose blocks are shorter than a step)."""
         return call.blocks_follow_mask and (call.kind == "fwd" or panel_width(call.head_dim) == 128)
 
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
