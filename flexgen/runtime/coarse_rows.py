@@ -43,13 +43,11 @@ def _coarsen(block_mask, rows: int, q_lists: bool = False) -> BlockMask:
     blocks = torch.minimum(first[:, None] + torch.arange(touched, device=device), last[:, None])  # (tiles, touched)
     listed = (partial | full)[..., blocks, :].any(dim=-2)  # (..., tiles, cols)
     all_full = full[..., blocks, :].all(dim=-2)
-    partial = listed & ~all_full
-    kv_num, kv_idx = dense_to_lists(partial)
-    full_num, full_idx = dense_to_lists(all_full)
-    q_num = q_idx = full_q_num = full_q_idx = None
+    partial_tiles = listed & ~all_full
     if q_lists:
-        q_num, q_idx = dense_to_lists(partial.transpose(-2, -1))
-        full_q_num, full_q_idx = dense_to_lists(all_full.transpose(-2, -1))
+        return BlockMask.from_dense_blocks(all_full, partial_tiles, (rows, bkv), (q_len, kv_len), block_mask.mask_mod)
+    kv_num, kv_idx = dense_to_lists(partial_tiles)
+    full_num, full_idx = dense_to_lists(all_full)
     return BlockMask(seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
-                     full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
-                     full_q_indices=full_q_idx, BLOCK_SIZE=(rows, bkv), mask_mod=block_mask.mask_mod)
+                     full_kv_indices=full_idx, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
+                     full_q_indices=None, BLOCK_SIZE=(rows, bkv), mask_mod=block_mask.mask_mod)
