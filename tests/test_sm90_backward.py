@@ -279,7 +279,7 @@ def test_sm90_backward_block_sizes(D, name, block):
 @gpu
 @hopper
 @pytest.mark.parametrize("D", [64, 128])
-def test_sm90_forward_beside_sm80_backward_under_32_row_blocks(D):
+def test_sm90_forward_and_its_backward_under_32_row_blocks(D):
     """Query blocks of 32 rows: the sm90 forward walks their union over its taller tile; the backward's 80-row steps
     (D = 128) walk unions too, its 128-row steps (D = 64) need whole blocks and run on sm80, from the forward's
     output and log-sum-exp."""
