@@ -287,7 +287,7 @@ def test_sm90_forward_and_its_backward_under_32_row_blocks(D):
 
     assert make_spec("fwd", None, V.causal, head_dim=D, arch="sm_90a", mask_block=(32, 128)).family == "sm90"
     bwd = make_spec("bwd", None, V.causal, head_dim=D, arch="sm_90a", mask_block=(32, 128))
-    assert (bwd.family, bwd.block_m) == (("sm90", 80) if D == 128 else ("sm80", bwd.block_m))
+    assert bwd.family == ("sm90" if D == 128 else "sm80") and (D == 64 or bwd.block_m == 80)
     check_variant("causal", Shape(2, 3, 1000, 1000), D, torch.bfloat16, bm_kwargs={"BLOCK_SIZE": (32, 128)})
 
 

@@ -298,9 +298,8 @@ class SM90(Family):
         tile = self.tiles(call)
         if call.mask_block is None:
             return None
-        q_block, kv_block = call.mask_block
-        if not (q_block % tile["block_m"] == 0 or self._merges_rows(call)) or kv_block % tile["block_n"]:
-            hint = "" if call.kind == "bwd" or kv_block % tile["block_n"] else \
+        if not self._walks_blocks(call, (tile["block_m"], tile["block_n"])):
+            hint = "" if call.kind == "bwd" or call.mask_block[1] % tile["block_n"] else \
                 " (it walks smaller query blocks of a mask from create_block_mask, whose lists follow its mask_mod)"
             return f"block mask BLOCK_SIZE {tuple(call.mask_block)} is not a multiple of its tile " \
                    f"{(tile['block_m'], tile['block_n'])}{hint}"
@@ -312,9 +311,7 @@ class SM90(Family):
             unmasked = call.mask_block is None and not call.masked
             # (a folded score_mod reads its buffers once per work tile, not per score: no pointers across the loop)
             loads_in_loop = call.mask_loads or (call.mod_loads and not call.score_folds)
-            blocked = (call.mask_block is not None and call.mask_block[1] % self.FWD_THREE_WG[1] == 0
-                       and not loads_in_loop
-                       and (call.mask_block[0] % self.FWD_THREE_WG[0] == 0 or self._merges_rows(call)))
+            blocked = not loads_in_loop and self._walks_blocks(call, self.FWD_THREE_WG)
             three = (panel_width(call.head_dim) == 64 and small_mods and (unmasked or blocked)
                      and not (call.dropout and call.scored))
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
@@ -333,6 +330,15 @@ class SM90(Family):
         steps at D = 96 / 128 walk such unions too (its launch coarsens a mask whose blocks are shorter than a step)."""
         return call.blocks_follow_mask and (call.kind == "fwd" or panel_width(call.head_dim) == 128)
 
+    @classmethod
+    def _walks_blocks(cls, call: Call, tile: tuple[int, ...]) -> bool:
+        """Whether tiles of tile[0] query rows and tile[1] keys can walk the call's block mask: its KV blocks a
+        multiple of the keys, its query blocks a multiple of the rows or walked in unions (_merges_rows)."""
+        if call.mask_block is None:
+            return False
+        q_block, kv_block = call.mask_block
+        return kv_block % tile[1] == 0 and (q_block % tile[0] == 0 or cls._merges_rows(call))
+
     def _backward_tile(self, call: Call) -> tuple[int, int, int, int]:
         if panel_width(call.head_dim) == 256:
             return self.BWD_WIDE_HEAD
@@ -342,10 +348,8 @@ class SM90(Family):
         # (80-row steps: a score_mod only where it folds into affine terms, a soft cap lost 5%; a mask only under
         # a block mask whose query blocks are multiples of 80 rows or whose lists follow the mask_mod, which the
         # steps then walk in unions: runtime/coarse_rows.py)
-        blocks_fit = call.mask_block is not None and call.mask_block[1] % self.BWD_TALL[1] == 0 and (
-            call.mask_block[0] % self.BWD_TALL[0] == 0 or self._merges_rows(call))
         tall = (panel_width(call.head_dim) == 128 and not call.mask_loads
-                and (call.mask_block is None and not call.masked or blocks_fit)
+                and (call.mask_block is None and not call.masked or self._walks_blocks(call, self.BWD_TALL))
                 and (not call.scored or (call.score_affine and not call.buffer_grads))
                 and not call.deterministic and not call.dropout)
         return self.BWD_WIDE if wide else self.BWD_TALL if tall else self.BWD
