@@ -1,5 +1,6 @@
 """The SASS of flexgen's sm90 kernel and FlashAttention-4's for the same case, both built without a GPU, with each
-basic block's instruction count and opcode mix: the comparison docs/backward.md asks for, at no device time.
+basic block's instruction count, opcode mix and the spacing of its MUFU instructions: the comparison
+docs/backward.md asks for, at no device time.
 
     python3 benchmarks/sass_side_by_side.py --kind bwd --variant causal --fa4-python /tmp/fa4venv/bin/python
 
@@ -67,13 +68,24 @@ def basic_blocks(sass: str) -> list[tuple[str, list[str]]]:
     return [(label, [bare_opcode(t) for t in instructions[start:end]]) for (label, start), end in zip(starts, ends)]
 
 
+def mufu_spacing(ops: list[str]) -> tuple[int, int]:
+    """(MUFU gaps, of them close) in one block: a warp's MUFU holds the quarter-rate unit for 8 cycles, so MUFUs one
+    or two instructions apart issue at the unit's rate, not the scheduler's (docs/backward.md, "For the next
+    backward")."""
+    at = [i for i, op in enumerate(ops) if op == "MUFU"]
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    return len(gaps), sum(g <= 2 for g in gaps)
+
+
 def report(name: str, sass: str, min_block: int) -> None:
     blocks = basic_blocks(sass)
     print(f"== {name}: {sum(len(ops) for _, ops in blocks)} instructions in {len(blocks)} blocks")
     for label, ops in blocks:
         if len(ops) >= min_block:
             mix = collections.Counter(ops).most_common(10)
-            print(f"  {label:10s} {len(ops):5d}  " + " ".join(f"{op}={n}" for op, n in mix))
+            gaps, close = mufu_spacing(ops)
+            spacing = f"  [MUFU gaps <= 2: {close} of {gaps}]" if gaps else ""
+            print(f"  {label:10s} {len(ops):5d}  " + " ".join(f"{op}={n}" for op, n in mix) + spacing)
 
 
 def flexgen_cubin(kind: str, variant: str, head_dim: int) -> bytes:

@@ -35,3 +35,18 @@ def test_report_lists_only_blocks_of_the_minimum_size(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "== k: 6 instructions in 3 blocks"
     assert len(out) == 2 and out[1].split()[:2] == [".L_x_1", "3"] and "HGMMA=1" in out[1]
+
+
+def test_mufu_spacing_counts_gaps_of_at_most_two_instructions():
+    ops = ["MUFU", "FFMA", "MUFU", "MUFU", "FADD", "FADD", "FADD", "MUFU", "HGMMA"]
+    assert _module().mufu_spacing(ops) == (3, 2)
+    assert _module().mufu_spacing(["MUFU", "FFMA"]) == (0, 0)
+
+
+def test_report_shows_mufu_spacing_only_for_blocks_with_two_mufus(capsys):
+    sass = SASS.replace("WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R4, R5")
+    _module().report("k", sass, min_block=3)
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.endswith("[MUFU gaps <= 2: 1 of 1]")
+    _module().report("k", SASS, min_block=3)
+    assert "MUFU gaps" not in capsys.readouterr().out
