@@ -68,13 +68,16 @@ def basic_blocks(sass: str) -> list[tuple[str, list[str]]]:
     return [(label, [bare_opcode(t) for t in instructions[start:end]]) for (label, start), end in zip(starts, ends)]
 
 
+CLOSE_MUFU_GAP = 2  # instructions from one MUFU to the next, at most, for the pair to count as close
+
+
 def mufu_spacing(ops: list[str]) -> tuple[int, int]:
     """(MUFU gaps, of them close) in one block: a warp's MUFU holds the quarter-rate unit for 8 cycles, so MUFUs one
     or two instructions apart issue at the unit's rate, not the scheduler's (docs/backward.md, "For the next
     backward")."""
     at = [i for i, op in enumerate(ops) if op == "MUFU"]
     gaps = [b - a for a, b in zip(at, at[1:])]
-    return len(gaps), sum(g <= 2 for g in gaps)
+    return len(gaps), sum(g <= CLOSE_MUFU_GAP for g in gaps)
 
 
 def report(name: str, sass: str, min_block: int) -> None:
@@ -84,7 +87,7 @@ def report(name: str, sass: str, min_block: int) -> None:
         if len(ops) >= min_block:
             mix = collections.Counter(ops).most_common(10)
             gaps, close = mufu_spacing(ops)
-            spacing = f"  [MUFU gaps <= 2: {close} of {gaps}]" if gaps else ""
+            spacing = f"  [MUFU gaps <= {CLOSE_MUFU_GAP}: {close} of {gaps}]" if gaps else ""
             print(f"  {label:10s} {len(ops):5d}  " + " ".join(f"{op}={n}" for op, n in mix) + spacing)
 
 
