@@ -52,7 +52,7 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     # Per-element score loads (relative_bias) and D = 256 (O's accumulator is 128 registers) keep the KV tile at
     # 64 columns; D = 64 takes three consumer warpgroups on 192-row tiles unless a mod reads a buffer in its loop
     # (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds). Head dims 32
-    # and 96 run 64 and 128 columns (zero-filled past the tensors' own by the TMA loads).
+    # and 96 load 64 and 128 columns (zero-filled past the tensors' own by the TMA loads) and compute their own.
     width = -(-D // 64) * 64
     block_n = 64 if name == "relative_bias" or D == 256 else 128
     three = width == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
@@ -66,9 +66,10 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     # (docs/forward-sm90.md); more is a regression there too.
     limit = 400 if (name, width) == ("alibi_causal", 64) else 160
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
-    # Both products are wgmma: S = QK^T as m64n{BLOCK_N}k16 (A, B from shared memory), O += PV as m64n{D}k16.
+    # Both products are wgmma: S = QK^T as m64n{BLOCK_N}k16 (A, B from shared memory) over D / 16 k-steps, O += PV
+    # as m64n{D}k16: the head's own columns, not the panels'.
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", kernel.ptx)
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{width}k16\.f32\.bf16\.bf16", kernel.ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16", kernel.ptx)
     assert "mma.sync" not in kernel.ptx
     assert_tma_fed_and_unserialised(kernel)
     # O leaves by TMA tensor stores from the spent Q rows, not by a bulk copy per row.
