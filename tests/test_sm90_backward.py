@@ -40,7 +40,7 @@ def test_compiles_and_matches_host_layouts(name, D):
     score, mask = cpu_variants()[name]
     spec = make_spec("bwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", **SM90)
     # Query rows per step: 128 at D = 64 (families.SM90.BWD_WIDE) unless mask_mod reads buffers or score_mod
-    # loads an element per score. D = 32 and 96 run 64 and 128 columns (zero-filled by the TMA loads). D = 256: both
+    # loads an element per score. D = 32 and 96 load 64 and 128 columns (zero-filled by the TMA loads). D = 256: both
     # warpgroups on 64 keys, each with half the step's queries in S^T and dP^T and half of D in dK, dV and dQ.
     width = -(-D // 64) * 64
     rows = (128 if width == 64 and name not in ("document", "relative_bias") else
@@ -56,7 +56,8 @@ def test_compiles_and_matches_host_layouts(name, D):
     limit = {("softcap_causal", 64): 48, ("softcap_causal", 128): 8}.get((name, width), 256 if name == "relative_bias" else 0)
     # (.get: NVRTC 13.0, on the GPU machine, returns no ptxas report.)
     assert kernel.resources.get("spill_stores_bytes", 0) <= limit, f"{name} D={D} spills: {kernel.resources}"
-    # The five products: S^T and dP^T as m64n{rows} (shared A, B), dK and dV as m64n{D} (A in registers),
+    # The five products: S^T and dP^T as m64n{rows} (shared A, B; over D / 16 k-steps), dK and dV as m64n{D} (A in
+    # registers; the head's own columns, not the panels'),
     # each warpgroup's 64 x 64 share of dQ as m64n64. D = 256: S^T and dP^T m64n32, dK, dV and dQ m64n128, all from
     # shared memory (P and dX read transposed: imm-trans-a = 1).
     wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n{}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}}, "
@@ -67,7 +68,7 @@ def test_compiles_and_matches_host_layouts(name, D):
         assert not re.search(wgmma.format(r"\d+") + r"\{", kernel.ptx)
     else:
         assert re.search(wgmma.format(rows), kernel.ptx)
-        assert re.search(wgmma.format(width) + r"\{", kernel.ptx)
+        assert re.search(wgmma.format(D) + r"\{", kernel.ptx)
         if rows == 80:  # dQ^T: A (K) read MN-major, B (dS) K-major
             assert re.search(wgmma.format(80) + r"%rd\d+, %rd\d+, p, 1, 1, 1, 0;", kernel.ptx)
         else:
