@@ -36,7 +36,8 @@ def report(folder: Path) -> list[str]:
 
 def test_medians_per_tree_against_the_baseline_without_the_first_launch(tmp_path):
     rng = random.Random()
-    base_full, base_causal = rng.uniform(1e6, 5e6), rng.uniform(5e5, 1e6)
+    # (whole ns, as ncu writes them, so that the baseline printed is not off by a rounding)
+    base_full, base_causal = float(rng.randrange(1_000_000, 5_000_000)), float(rng.randrange(500_000, 1_000_000))
     for r in (1, 2):
         # the first launch of each case (the one after the compile) is slow and must not count
         (tmp_path / f"ncu_base_r{r}.csv").write_text(ncu_csv({"128 full": [9e9, base_full, base_full, base_full],
@@ -95,7 +96,9 @@ def test_only_runs_the_named_cases_in_cases_order_then_the_others(capsys):
 def test_the_whole_backward_sums_its_three_kernels_per_call(tmp_path):
     """bwd_all times preprocess, main kernel and postprocess: each call's three launches are one sample."""
     rng = random.Random()
-    full = rng.uniform(4e6, 6e6)
+    # (a multiple of 30 ns: each kernel's third of `full` and of 1.1 `full` is a whole ns, as ncu writes them, so the
+    # sums printed are exact rather than off by a rounding)
+    full = 30.0 * rng.randrange(4_000_000 // 30, 6_000_000 // 30)
     three = ("flexgen_bwd_preprocess", "flexgen_bwd", "flexgen_bwd_postprocess")
     (tmp_path / "ncu_base_r1.csv").write_text(ncu_csv({"128 full": [9e9] + [full] * 3}, kernels=three))
     (tmp_path / "ncu_this_r1.csv").write_text(ncu_csv({"128 full": [9e9] + [full * 1.1] * 3}, kernels=three))
