@@ -79,6 +79,7 @@ def derived_constants(spec) -> dict:
         "has_mask_mod": spec.mask_expr is not None,
         "options": dict(spec.extra),
         "panel_width": panel_width(spec.head_dim),
+        "k_steps": spec.head_dim // 16,  # the 16-column k-steps over the head's own columns (the sm90 kernels' S)
         "params": PARAM_STRUCTS,  # the parameter structs' C declarations (codegen/params.py)
     }
 

@@ -32,8 +32,8 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 def panel_width(head_dim: int) -> int:
-    """The columns the sm90 kernels compute for a head dim: whole 64-column panels (their templates' D); their TMA
-    loads zero-fill the columns past a narrower head's."""
+    """The columns the sm90 kernels load and keep in shared memory for a head dim: whole 64-column panels (their
+    templates' D); their TMA loads zero-fill the columns past a narrower head's, which the products then skip."""
     return -(-head_dim // 64) * 64
 
 
