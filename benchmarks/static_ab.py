@@ -56,6 +56,8 @@ CASES = {
     "bwd_d128_document": ("bwd", 128, "None", "V.document(torch.zeros(64, dtype=torch.int32))", {}),
     "bwd_d64_full": ("bwd", 64, "None", "None", {}),
     "bwd_d64_causal": ("bwd", 64, "None", "V.causal", {}),
+    "bwd_d64_alibi_causal": ("bwd", 64, "V.alibi(16)", "V.causal", {}),
+    "bwd_d64_softcap_causal": ("bwd", 64, "V.softcap(30.0)", "V.causal", {}),
     "bwd_d256_causal": ("bwd", 256, "None", "V.causal", {}),
     "bwd_d96_full": ("bwd", 96, "None", "None", {}),
     "bwd_d96_causal_blocks": ("bwd", 96, "None", "V.causal", {"mask_block": (128, 128)}),
