@@ -537,9 +537,30 @@ def bench_ms(fn, dev, warmup_ms: float, rep_ms: float, grad_to_none=None) -> flo
 _CLOCK = None  # the worker's gpu_clock.ClockSampler on CUDA: the SM clock of every timing window
 
 
-def timed_ms(fn, dev, warmup_ms: float, rep_ms: float, grad_to_none=None) -> tuple[float, dict | None]:
+def timing_order(impls: list[str], case_index: int, order: str) -> list[str]:
+    """The order in which one case's implementations are timed. Back to back under the power cap, a window that comes
+    after other windows starts at a lower clock than the first one, so a fixed order favours whoever goes first:
+    "rotate" starts each case with the next implementation; "peers-first" and "flexgen-first" fix it."""
+    peers_first = sorted(impls, key=lambda s: (s.startswith("flexgen"), s))
+    if order == "peers-first":
+        return peers_first
+    if order == "flexgen-first":
+        return sorted(impls, key=lambda s: (not s.startswith("flexgen"), s))
+    if order == "rotate":
+        shift = case_index % len(peers_first) if peers_first else 0
+        return peers_first[shift:] + peers_first[:shift]
+    raise ValueError(f"unknown timing order {order!r}; known: rotate, peers-first, flexgen-first")
+
+
+def timed_ms(fn, dev, warmup_ms: float, rep_ms: float, grad_to_none=None,
+             cooldown_s: float = 0.0) -> tuple[float, dict | None]:
     """bench_ms, and the SM clock nvidia-smi saw during it (None without samples): under the H200's power cap a
-    100 ms window starts at boost clock and throttles inside, so a figure is read beside its clock."""
+    100 ms window starts at boost clock and throttles inside, so a figure is read beside its clock. `cooldown_s` of
+    idle before the window let each window start from the same power state, whatever ran before it."""
+    if cooldown_s > 0:
+        if dev.type == "cuda":
+            sync(dev)
+        time.sleep(cooldown_s)
     t0 = time.time()
     ms = bench_ms(fn, dev, warmup_ms, rep_ms, grad_to_none)
     return ms, (_CLOCK.window(t0, time.time()) if _CLOCK is not None else None)
@@ -726,14 +747,14 @@ def run_case(case, args, ev: Events, dev):
                 sys.exit(EXIT_STICKY)
     outputs.clear()
 
-    for impl_name, fn in fns.items():
-        impl = impls[impl_name]
+    for impl_name in timing_order(list(fns), case.get("index", 0), args.order):
+        fn, impl = fns[impl_name], impls[impl_name]
         rec = dict(common, impl=impl_name, status="ok", mask_build_s=impl.mask_build_s, mask_peak_mib=impl.mask_peak_mib,
                    config=impl.kernel_options)
         try:
             ev.emit(event="begin", id=cid, impl=impl_name, phase="fwd")
             rec["fwd_peak_mib"], rec["fwd_extra_mib"] = peak_of(lambda: fn(q, k, v), dev)
-            ms, clock = timed_ms(lambda: fn(q, k, v), dev, args.warmup, args.rep)
+            ms, clock = timed_ms(lambda: fn(q, k, v), dev, args.warmup, args.rep, cooldown_s=args.cooldown)
             rec["fwd_ms"], rec["fwd_tflops"] = ms, fwd_flops / (ms * 1e-3) / 1e12
             rec["fwd_mhz"] = clock["mhz"] if clock else None
         except Exception as e:
@@ -759,7 +780,8 @@ def run_case(case, args, ev: Events, dev):
                 for t in (qg, kg, vg):
                     t.grad = None
                 rec["fb_peak_mib"], rec["fb_extra_mib"] = peak_of(fwd_bwd, dev)
-                fb, clock = timed_ms(fwd_bwd, dev, args.warmup, args.rep, grad_to_none=[qg, kg, vg])
+                fb, clock = timed_ms(fwd_bwd, dev, args.warmup, args.rep, grad_to_none=[qg, kg, vg],
+                                     cooldown_s=args.cooldown)
                 rec["fb_ms"] = fb
                 rec["fb_mhz"] = clock["mhz"] if clock else None
                 rec["bwd_ms"] = fb - rec["fwd_ms"]
@@ -918,6 +940,12 @@ def parse_args(argv=None):
     p.add_argument("--skip-sweep", action="store_true", help="run only --long")
     p.add_argument("--warmup", type=float, default=None, help="do_bench warm-up, ms (default 25; 10 with --quick)")
     p.add_argument("--rep", type=float, default=None, help="do_bench repetition time, ms (default 100; 40 with --quick)")
+    p.add_argument("--order", default="rotate", choices=("rotate", "peers-first", "flexgen-first"),
+                   help="the order of one case's timing windows (default rotate: each case starts with the next "
+                        "implementation, so that none always runs first, at the highest clock)")
+    p.add_argument("--cooldown", type=float, default=1.0,
+                   help="seconds of idle before each timing window, so that each starts from the same power state "
+                        "(default 1; 0: back to back, as before)")
     p.add_argument("--time-budget", type=float, default=0.0, help="seconds; no new (variant, shape) starts after this (0: none)")
     p.add_argument("--no-precompile", action="store_true")
     p.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # harness check without a GPU
@@ -961,7 +989,7 @@ def plan_work(args):
         for D in dims:
             for name in variants:
                 for N in seqlens:
-                    work.append({"id": f"D{D}/{name}/N{fmt_n(N)}", "D": D, "variant": name, "N": N,
+                    work.append({"id": f"D{D}/{name}/N{fmt_n(N)}", "index": len(work), "D": D, "variant": name, "N": N,
                                  "B": max(1, args.tokens // N), "H": args.heads, "impls": list(impls), "kernel_options": configs})
     if args.long:
         N = args.long_seqlen
@@ -1013,7 +1041,8 @@ def driver_main(args):
     script = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    common = [f"--warmup={args.warmup}", f"--rep={args.rep}"] + (["--fwd-only"] if args.fwd_only else []) + (["--cpu"] if args.cpu else [])
+    common = ([f"--warmup={args.warmup}", f"--rep={args.rep}", f"--order={args.order}", f"--cooldown={args.cooldown}"]
+              + (["--fwd-only"] if args.fwd_only else []) + (["--cpu"] if args.cpu else []))
 
     if not args.no_precompile and not args.cpu and any(i.startswith("flexgen") for c in work for i in c["impls"]):
         wf = os.path.join(tmp, "precompile.json")
@@ -1098,7 +1127,8 @@ def driver_main(args):
 
 def environment_meta(args):
     meta = {"protocol": f"{args.tokens} tokens/batch, H={args.heads}, bf16, median do_bench",
-            "warmup_ms": args.warmup, "rep_ms": args.rep, "fwd_only": args.fwd_only}
+            "warmup_ms": args.warmup, "rep_ms": args.rep, "fwd_only": args.fwd_only, "order": args.order,
+            "cooldown_s": args.cooldown}
     try:
         import torch
 
@@ -1348,7 +1378,8 @@ def finish(args, work, records, checks, report):
     head = (f"flexgen benchmark on {meta.get('device', '?')} (torch {meta.get('torch')}, triton {meta.get('triton')}, "
             f"flexgen's kernels by {meta.get('compiler')}), "
             f"{meta['protocol']}; TFLOP/s over unmasked pairs")
-    md = [f"# {head}", "", f"wall time {meta.get('wall_s')} s; warmup {args.warmup} ms, rep {args.rep} ms", ""]
+    md = [f"# {head}", "", f"wall time {meta.get('wall_s')} s; warmup {args.warmup} ms, rep {args.rep} ms; timing order "
+          f"{args.order}, {args.cooldown} s idle before each window", ""]
     md += table + [""]
     if ratios:
         md += ["## flexgen / best peer (TFLOP/s ratio)", ""] + [f"- {line}" for line in ratios] + [""]

@@ -85,6 +85,33 @@ def test_bench_attention_keeps_each_timing_beside_its_clock(monkeypatch):
     assert bench_attention.timed_ms(lambda: None, torch.device("cpu"), 1.0, 2.0)[1] is None
 
 
+def test_bench_attention_rotates_which_implementation_is_timed_first():
+    import bench_attention
+
+    impls = ["flexgen", "sdpa-cudnn", "fa4", "flex"]
+    firsts = [bench_attention.timing_order(impls, i, "rotate")[0] for i in range(4)]
+    assert sorted(firsts) == sorted(impls)  # each goes first once in four cases
+    for i in range(5):
+        assert sorted(bench_attention.timing_order(impls, i, "rotate")) == sorted(impls)
+    assert bench_attention.timing_order(impls, 3, "peers-first") == ["fa4", "flex", "sdpa-cudnn", "flexgen"]
+    assert bench_attention.timing_order(impls, 3, "flexgen-first")[0] == "flexgen"
+    with pytest.raises(ValueError, match="rotate, peers-first, flexgen-first"):
+        bench_attention.timing_order(impls, 0, "random")
+
+
+def test_bench_attention_idles_before_a_window_when_asked(monkeypatch):
+    import torch
+
+    import bench_attention
+
+    slept = []
+    monkeypatch.setattr(bench_attention.time, "sleep", slept.append)
+    monkeypatch.setattr(bench_attention, "_CLOCK", None)
+    bench_attention.timed_ms(lambda: None, torch.device("cpu"), 1.0, 2.0, cooldown_s=0.75)
+    bench_attention.timed_ms(lambda: None, torch.device("cpu"), 1.0, 2.0)
+    assert slept == [0.75]
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads process states from /proc (Linux)")
 def test_the_sampler_process_ends_with_the_process_that_started_it():
     """A worker killed by a timeout must not leave nvidia-smi sampling forever (`sleep` stands in for it)."""
