@@ -4,8 +4,9 @@
         python benchmarks/profile_one.py --variant causal --seqlen 4096 --head-dim 128
 
 Runs the pair twice (the first call compiles and warms up), then synchronizes. `--impl fa4` runs FlashAttention-4's
-`flash_attn_func` instead (full or causal; benchmarks/fa4_setup.sh installs it), for profiling it beside flexgen:
-its kernels' names come from CuTe DSL (list them with `nsys profile --stats=true` or ncu without a name filter).
+`flash_attn_func` instead (full, causal or sliding<W>; benchmarks/fa4_setup.sh installs it), for profiling it beside
+flexgen: its kernels' names come from CuTe DSL (list them with `nsys profile --stats=true` or ncu without a name
+filter).
 """
 from __future__ import annotations
 
@@ -53,15 +54,27 @@ def main() -> None:
     print("ok", tuple(out.shape))
 
 
+def fa4_options(variant: str) -> dict:
+    """FA4's built-in options for a bench_attention.py variant it takes without a CuTe-DSL mod (as that script
+    runs it): full, causal, sliding<W> (causal within a window of W keys)."""
+    if variant in ("none", "full"):
+        return {"causal": False}
+    if variant == "causal":
+        return {"causal": True}
+    if variant.startswith("sliding") and (variant[len("sliding"):] or "1024").isdigit():
+        window = int(variant[len("sliding"):] or 1024)
+        return {"causal": True, "window_size": (window - 1, 0)}
+    raise SystemExit(f"--impl fa4 runs full, causal or sliding<W> attention, not {variant!r}")
+
+
 def run_fa4(args) -> None:
-    if args.variant not in ("none", "full", "causal"):
-        raise SystemExit(f"--impl fa4 runs full or causal attention, not {args.variant!r}")
+    options = fa4_options(args.variant)
     from flash_attn.cute.interface import flash_attn_func
 
     shape = (args.batch, args.seqlen, args.heads, args.head_dim)  # FA4's layout (B, N, H, D)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     for _ in range(2):
-        out = flash_attn_func(q, k, v, causal=args.variant == "causal")
+        out = flash_attn_func(q, k, v, **options)
         out = out[0] if isinstance(out, tuple) else out
         if not args.fwd_only:
             out.backward(torch.ones_like(out))
