@@ -45,7 +45,7 @@ def run_case(head_dim: int, name: str, n: int, device: str) -> list[float] | Non
                          for _ in range(4))
     results = []
     for dtype in ((torch.bfloat16, torch.float64) if device == "cuda" else (torch.float64,)):
-        qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
         out = flexgen.flex_attention(qq, kk, vv, score_mod=variant.score, block_mask=mask)
         out.backward(grad_out.to(dtype))
         results.append([t.double() for t in (out, qq.grad, kk.grad, vv.grad)])

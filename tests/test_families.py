@@ -218,6 +218,28 @@ def test_sm80_forward_tile_fits_the_mask_blocks():
     assert (spec.block_m, spec.block_n, spec.num_warps) == (64, 64, 4)
 
 
+def test_sm90_forward_rows_per_tile_by_head_dim_and_mask():
+    """Three consumer warpgroups (192-row tiles) at D = 32 and 64, and at 96 and 128 without a score_mod but for a
+    band of keys (a sliding window, its width a run-time parameter or a constant), where a 192-row tile walks more
+    keys than its rows need; two warpgroups (128 rows) otherwise."""
+    from flexgen.runtime.plan import plan
+
+    band = V.mask_mod(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 512))
+
+    def rows(D, score=None, mask=None):
+        block = (128, 128) if mask is not None else None
+        return plan("fwd", "sm_90a", D, "bf16", score and score.expr, mask and mask.expr, mask_block=block,
+                    blocks_follow_mask=True).block_m
+
+    for D in (96, 128):
+        assert rows(D) == rows(D, None, V.causal) == rows(D, None, V.prefix_lm(300)) == 192
+        assert rows(D, None, V.sliding_window(1024)) == rows(D, None, band) == 128
+        assert rows(D, V.alibi(16), V.causal) == rows(D, V.softcap(30.0)) == 128
+        assert plan("fwd", "sm_90a", D, "bf16", dropout=True).block_m == 128  # (Philox's state would spill)
+    assert rows(64, None, V.sliding_window(1024)) == rows(64, V.alibi(16), V.causal) == rows(32, None, band) == 192
+    assert rows(256) == 128
+
+
 def test_sm90_forward_head_chunk_under_a_causal_mask(monkeypatch):
     """The forward's head chunk on an H200-sized device (132 SMs, 50 MB of L2), B = 2, H = 16, N = 8k: without a
     mask the wave bound (ctas // query tiles); under a causal mask the shortest modeled tail within it, which on

@@ -162,6 +162,7 @@ CASES = [  # name, B, H, H_kv, Lq, Lkv, D, dtype, p
     ("alibi_causal", 1, 2, 2, 555, 333, 128, torch.bfloat16, 0.1),
     ("none", 1, 2, 2, 700, 700, 128, torch.float16, 0.5),
     ("causal", 1, 8, 2, 513, 513, 64, torch.bfloat16, 0.1),  # GQA
+    ("causal", 1, 4, 4, 777, 777, 96, torch.bfloat16, 0.2),
     ("alibi_causal", 1, 2, 2, 333, 555, 256, torch.bfloat16, 0.1),
 ]
 

@@ -50,16 +50,24 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
         return
     spec, score, mask = _spec(name, D)
     # Per-element score loads (relative_bias) and D = 256 (O's accumulator is 128 registers) keep the KV tile at
-    # 64 columns; D = 64 takes three consumer warpgroups on 192-row tiles unless a mod reads a buffer in its loop
-    # (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds). Head dims 32
-    # and 96 load 64 and 128 columns (zero-filled past the tensors' own by the TMA loads) and compute their own.
+    # 64 columns; D = 32 and 64 take three consumer warpgroups on 192-row tiles unless a mod reads a buffer in its
+    # loop (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds), D = 96
+    # and 128 without a score_mod (and for masks but a band of keys, a sliding window's).
+    # Head dims 32 and 96 load 64 and 128 columns (zero-filled past the tensors' own by the TMA loads) and compute
+    # their own.
     width = -(-D // 64) * 64
     block_n = 64 if name == "relative_bias" or D == 256 else 128
-    three = width == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
+    three = (width == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
+             or D in (96, 128) and name in ("none", "causal"))
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
     assert kernel.cubin[:4] == b"\x7fELF"
     assert "sm90 family" in kernel.source
+    # At D = 96 and 128 over three warpgroups P goes through shared memory: O += P V takes A by descriptor.
+    p_in_smem = three and width == 128
+    assert ("store_p(s_p_rows, s)" in kernel.source) == p_in_smem
+    a_operands = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16\s*\{{[^}}]*\}},\s*(\S)", kernel.ptx)
+    assert ("{" not in a_operands) == p_in_smem, "P V's A operand: a descriptor with P in shared memory, else registers"
     # A few bytes spill where buffer reads keep pointers across the KV loop (NVRTC 13.5: document at
     # D=128 16 B, relative_bias at D=64 144 B, reloaded once per KV tile); more is a regression.
     # ALiBi with a causal mask on three warpgroups spills 352 B and still runs 7% faster than on two
@@ -134,11 +142,14 @@ def test_tile_choice():
     def derived(D, **kw):  # under a mask from create_block_mask
         return tile(D, blocks_follow_mask=True, **kw)
 
-    assert tile(128) == tile(128, mask_block=(128, 128)) == (128, 128, 8, 2)
+    # D = 128 (and 96) without a score_mod: three consumer warpgroups, P through shared memory; on two under
+    # hand-made lists of 128-row blocks, which a 192-row tile cannot walk.
+    assert tile(128) == (192, 128, 12, 2) and tile(128, mask_block=(128, 128)) == (128, 128, 8, 2)
     # Any tile under smaller query blocks of a mask whose lists follow its mask_mod: it walks their union
     # (runtime/coarse_rows.py). Hand-made lists need blocks the tile divides.
     causal, document = V.causal.expr, V.document(torch.zeros(64, dtype=torch.int32)).expr
-    assert derived(128, mask_expr=causal, mask_block=(64, 128)) == derived(128, mask_block=(32, 256)) == (128, 128, 8, 2)
+    assert derived(128, mask_expr=causal, mask_block=(64, 128)) == derived(128, mask_block=(32, 256)) == (192, 128, 12, 2)
+    assert derived(128, score_expr=V.alibi(4).expr, mask_expr=causal, mask_block=(64, 128)) == (128, 128, 8, 2)
     with pytest.raises(ValueError, match="create_block_mask"):
         tile(128, mask_expr=causal, mask_block=(64, 128))
     # D = 64: three consumer warpgroups on 192 query rows, also under a block mask of smaller query blocks
@@ -236,6 +247,34 @@ def test_sm90_three_warpgroups(name, lq, lkv):
     from test_gpu_forward import Shape, check_variant
 
     check_variant(name, Shape(2, 3, lq, lkv), 64, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("lq,lkv", [(1, 1), (191, 300), (193, 193), (1000, 17), (777, 1100), (4097, 2049)])
+@pytest.mark.parametrize("name", ["none", "causal", "prefix_lm", "per_head_mask", "sliding_window"])
+def test_sm90_p_through_shared_memory(name, lq, lkv, D):
+    """D = 96 and 128 without a score_mod: 192-row tiles over three warpgroups, P through shared memory (O += P V
+    reads it there), O out through P's rows and the one Q buffer handed back after each tile's last S = Q K^T. (A
+    sliding window keeps 128-row tiles: the planner's choice is checked with the rest.)"""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant(name, Shape(2, 3, lq, lkv), D, torch.bfloat16, kernel_options=SM90)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("D", [96, 128])
+def test_sm90_p_through_shared_memory_without_turns_fp16_gqa_and_grid(D):
+    """Without the warpgroup turns, whose barrier otherwise orders a warpgroup's P stores before its P V, a barrier
+    of the warpgroup's own does."""
+    from test_gpu_forward import Shape, check_variant
+
+    check_variant("causal", Shape(2, 4, 777, 777), D, torch.float16, gqa_kv_heads=2,
+                  kernel_options={**SM90, "pingpong": False})
+    check_variant("none", Shape(2, 3, 1000, 1000), D, torch.bfloat16, kernel_options={**SM90, "pingpong": False})
+    check_variant("none", Shape(3, 2, 1500, 1500), D, torch.bfloat16, kernel_options={**SM90, "persistent": False})
 
 
 @gpu

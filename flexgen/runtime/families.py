@@ -45,6 +45,7 @@ class Call:
     score_folds: bool = False  # a forward's score_mod folds into per-head terms (dsl/affine.py, dsl/softcap.py)
     score_affine: bool = False  # a backward's score_mod folds into affine terms of the indices (ALiBi, dsl/affine.py)
     mask_loads: bool = False  # mask_mod reads a buffer
+    banded: bool = False  # mask_mod hides keys far behind their query (a sliding window): each query sees a band
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
     split_kv: bool = False  # a forward that splits each query tile's keys over several CTAs (runtime/split_kv.py)
@@ -312,7 +313,7 @@ class SM90(Family):
             # (a folded score_mod reads its buffers once per work tile, not per score: no pointers across the loop)
             loads_in_loop = call.mask_loads or (call.mod_loads and not call.score_folds)
             blocked = not loads_in_loop and self._walks_blocks(call, self.FWD_THREE_WG)
-            three = (panel_width(call.head_dim) == 64 and small_mods and (unmasked or blocked)
+            three = (self._three_warpgroup_head(call) and small_mods and (unmasked or blocked)
                      and not (call.dropout and call.scored))
             cfg = dict(zip(TILE_FIELDS, self.FWD_THREE_WG if three else self.FWD))
         else:
@@ -322,6 +323,17 @@ class SM90(Family):
         if call.kind == "fwd" and panel_width(call.head_dim) > 128:
             cfg["block_n"] = self.FWD_WIDE_HEAD_BLOCK_N
         return cfg
+
+    @staticmethod
+    def _three_warpgroup_head(call: Call) -> bool:
+        """Whether a forward takes three consumer warpgroups for its head dim: at 32 and 64; at 96 and 128 without a
+        score_mod, dropout or a band of keys, with P through shared memory (templates/sm90/fwd.cu.j2, P_IN_SMEM):
+        5-8% less kernel time on full and causal attention. There a sliding window ran 0.7% (D = 96) and 5% (128)
+        slower: a 192-row tile walks a third more keys than its rows need in a band 1024 wide, against a sixth for
+        128 rows. ALiBi and soft caps at D = 96 ran 0.2-2.2% slower (their softmax spills 28-56 B at 160 registers);
+        dropout's Philox state spills 104-752 B there. docs/forward-sm90.md."""
+        return panel_width(call.head_dim) == 64 or (call.head_dim in (96, 128) and not (call.scored or call.banded
+                                                                                         or call.dropout))
 
     @staticmethod
     def _merges_rows(call: Call) -> bool:

@@ -17,7 +17,8 @@ from ..codegen.spec import KINDS, KernelSpec, with_dq_layout
 from ..dsl.affine import AffineScore
 from ..dsl.folds import score_fold
 from ..dsl.graph import postorder
-from ..dsl.ir import Node, buffers_of, has_positional_loads
+from ..dsl.ir import DType, Node, buffers_of, has_positional_loads, params_of
+from ..dsl.mask_analysis import TileClass, classify_tile
 from ..dsl.mod import Mod
 from ..warnings_once import warn_once
 from .families import TILE_FIELDS, Call, TileError, choose
@@ -63,7 +64,7 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 blocks_follow_mask=blocks_follow_mask,
                 masked=mask_expr is not None, scored=score_expr is not None,
-                mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
+                mod_loads=score_loads or mask_loads, mask_loads=mask_loads, banded=_banded(mask_expr),
                 score_folds=kind == "fwd" and fold is not None,
                 score_affine=kind == "bwd" and isinstance(fold, AffineScore),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
@@ -86,6 +87,19 @@ def _score_fold(score_expr: Node | None, extra):
     if score_expr is None or not dict(extra).get("fold_score", True):
         return None
     return score_fold(score_expr)
+
+
+# A tile of keys this far behind its queries: where the mask hides all of it, with its integer parameters at a
+# window's usual size (they are run-time values; this only picks a tile), each query sees a band of keys.
+BAND_PROBE_DISTANCE, BAND_PROBE_PARAM = 1 << 20, 1024
+
+
+def _banded(mask_expr: Node | None) -> bool:
+    if mask_expr is None:
+        return False
+    params = {name: BAND_PROBE_PARAM for name, dtype in params_of(mask_expr).items() if dtype in (DType.INT32, DType.INT64)}
+    far = classify_tile(mask_expr, (BAND_PROBE_DISTANCE, BAND_PROBE_DISTANCE + 256), (0, 256), params=params)
+    return far is TileClass.EMPTY
 
 
 def _operations(expr: Node) -> int:
