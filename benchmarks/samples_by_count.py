@@ -8,7 +8,9 @@ of samples per group says what a work tile's own code costs against a step's (do
     ncu -i prof.ncu-rep --page source --csv --print-source sass > prof_sass.csv
     python benchmarks/samples_by_count.py prof_sass.csv --per 16384 --top 8 [--opcodes]
 
-Prints each executed count with its instructions and share of all samples (largest first), then, for the counts
+With `--kernel REGEX` the first kernel whose name matches is read (a CSV of several kernels, FA4's backward with
+its pre- and postprocess say; default: the first). Prints the kernel's stall reasons and executed opcode mix, each
+executed count with its instructions and share of all samples (largest first), then, for the counts
 given with `--per`, the instructions holding the most samples with their two main stall reasons (and with
 `--opcodes`, the count's instructions by opcode: what two kernels' steps differ by). Needs no GPU.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -60,6 +63,50 @@ def read_instructions(text: str) -> list[Instruction]:
     return out
 
 
+def kernel_sections(text: str) -> list[tuple[str, str]]:
+    """(kernel name, its part of the CSV) per kernel: ncu writes one `"Kernel Name",...` line and one table per
+    profiled kernel (FA4's backward, say, profiles as preprocess, main kernel and postprocess)."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith('"Kernel Name"'):
+            fields = next(csv.reader([line]))
+            sections.append((fields[1] if len(fields) > 1 else "", [line]))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            sections.append(("", [line]))
+    return [(name, "".join(lines)) for name, lines in sections]
+
+
+def pick_kernel(text: str, pattern: str | None) -> tuple[str, str]:
+    """The first kernel whose name matches `pattern` (a regular expression; None: the first kernel)."""
+    sections = kernel_sections(text)
+    for name, part in sections:
+        if pattern is None or re.search(pattern, name):
+            return name, part
+    names = ", ".join(name[:80] for name, _ in sections)
+    raise SystemExit(f"samples_by_count: no kernel matches {pattern!r}; the CSV has: {names}")
+
+
+def stall_shares(instructions: list[Instruction]) -> list[tuple[str, float]]:
+    """Each stall reason's share of all samples, largest first."""
+    total = sum(i.samples for i in instructions) or 1
+    sums: dict[str, int] = {}
+    for ins in instructions:
+        for name, v in ins.stalls.items():
+            sums[name] = sums.get(name, 0) + v
+    return [(name[len("stall_"):], 100 * v / total) for name, v in sorted(sums.items(), key=lambda kv: -kv[1]) if v]
+
+
+def executed_by_opcode(instructions: list[Instruction]) -> list[tuple[str, int]]:
+    """Warp-level instructions executed per bare opcode (modifiers dropped), most first: the kernel's mix."""
+    sums: dict[str, int] = {}
+    for ins in instructions:
+        op = opcode(ins.source).split(".")[0]
+        sums[op] = sums.get(op, 0) + ins.executed
+    return sorted(sums.items(), key=lambda kv: -kv[1])
+
+
 def by_count(instructions: list[Instruction]) -> list[tuple[int, int, int]]:
     """(executed count, instructions, samples) per count, most samples first."""
     groups: dict[int, list[int]] = {}
@@ -93,7 +140,12 @@ def opcodes(instructions: list[Instruction], counts: set[int]) -> dict[str, tupl
 def report(instructions: list[Instruction], per: list[int], top: int, groups: int, out=sys.stdout,
            with_opcodes: bool = False) -> None:
     total = sum(i.samples for i in instructions) or 1
-    print(f"{len(instructions)} instructions, {total} samples", file=out)
+    executed = sum(i.executed for i in instructions)
+    print(f"{len(instructions)} instructions, {total} samples, {executed / 1e6:.1f} M warp instructions executed",
+          file=out)
+    print("stalls: " + ", ".join(f"{name} {share:.1f}%" for name, share in stall_shares(instructions)[:10]), file=out)
+    print("executed: " + ", ".join(f"{op} {n / 1e6:.1f} M" for op, n in executed_by_opcode(instructions)[:16]),
+          file=out)
     print("| executed | instructions | samples | share |", file=out)
     print("|---|---|---|---|", file=out)
     for count, n, s in by_count(instructions)[:groups]:
@@ -115,15 +167,19 @@ def report(instructions: list[Instruction], per: list[int], top: int, groups: in
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    p.add_argument("--kernel", default=None,
+                   help="regular expression: the first kernel whose name matches (default: the CSV's first kernel)")
     p.add_argument("--per", default="", help="comma list of executed counts to list instruction by instruction")
     p.add_argument("--top", type=int, default=8, help="instructions listed per chosen count")
     p.add_argument("--groups", type=int, default=20, help="executed counts in the summary table")
     p.add_argument("--opcodes", action="store_true", help="for each --per count, its instructions by opcode")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
-        instructions = read_instructions(f.read())
+        name, part = pick_kernel(f.read(), args.kernel)
+    instructions = read_instructions(part)
     if not instructions:
         sys.exit(f"samples_by_count: no instruction rows in {args.csv} (expected ncu's source page as CSV)")
+    print(f"kernel {name[:100]}")
     report(instructions, [int(c) for c in args.per.split(",") if c], args.top, args.groups, with_opcodes=args.opcodes)
 
 

@@ -36,6 +36,8 @@ CASES = {
     "fwd_d128_prefix_blocks": ("fwd", 128, "None", "V.prefix_lm(1024)", {"mask_block": (128, 128)}),
     "fwd_d128_sliding_blocks": ("fwd", 128, "None", "V.sliding_window(1024)", {"mask_block": (128, 128)}),
     "fwd_d128_alibi_causal": ("fwd", 128, "V.alibi(16)", "V.causal", {}),
+    "fwd_d128_alibi_causal_blocks": ("fwd", 128, "V.alibi(16)", "V.causal", {"mask_block": (128, 128)}),
+    "fwd_d128_softcap_causal_blocks": ("fwd", 128, "V.softcap(30.0)", "V.causal", {"mask_block": (128, 128)}),
     "fwd_d128_softcap_causal": ("fwd", 128, "V.softcap(30.0)", "V.causal", {}),
     "fwd_d128_document": ("fwd", 128, "None", "V.document(torch.zeros(64, dtype=torch.int32))", {}),
     "fwd_d64_full": ("fwd", 64, "None", "None", {}),

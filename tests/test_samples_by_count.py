@@ -67,3 +67,29 @@ def test_refuses_a_file_without_instruction_rows(script, tmp_path):
     path.write_text('"Kernel Name","x",\n' + HEADER + "\n")
     with pytest.raises(SystemExit, match="no instruction rows"):
         script.main([str(path)])
+
+
+def test_a_kernel_picked_by_name_from_a_csv_of_several(script):
+    pre = _csv([(0x100, "LDG.E R2, desc[UR4][R2.64]", 5, 64, 0, 5, 0)]).replace("flexgen_fwd", "bwd_preprocess")
+    text = pre + _csv(ROWS).replace("flexgen_fwd", "FlashAttentionBackwardSm90")
+    names = [name for name, _ in script.kernel_sections(text)]
+    assert names == ["bwd_preprocess", "FlashAttentionBackwardSm90"]
+    name, part = script.pick_kernel(text, "BackwardSm90")
+    assert name == "FlashAttentionBackwardSm90" and len(script.read_instructions(part)) == len(ROWS)
+    assert script.pick_kernel(text, None)[0] == "bwd_preprocess"  # the first, as before
+    with pytest.raises(SystemExit, match="no kernel matches 'postprocess'; the CSV has: bwd_preprocess, Flash"):
+        script.pick_kernel(text, "postprocess")
+
+
+def test_the_summary_gives_stall_shares_and_the_executed_mix(script):
+    ins = script.read_instructions(_csv(ROWS))
+    shares = script.stall_shares(ins)  # largest first
+    assert [name for name, _ in shares] == ["wait", "long_sb", "barrier"]
+    assert [share for _, share in shares] == pytest.approx([100 * 291 / 401, 100 * 60 / 401, 100 * 50 / 401])
+    assert script.executed_by_opcode(ins) == [("HGMMA", 6400), ("BRA", 6400), ("LDC", 100), ("WARPGROUP", 100),
+                                              ("SYNCS", 0)]
+    out = io.StringIO()
+    script.report(ins, per=[], top=1, groups=10, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "5 instructions, 401 samples, 0.0 M warp instructions executed"
+    assert lines[1] == "stalls: wait 72.6%, long_sb 15.0%, barrier 12.5%"
