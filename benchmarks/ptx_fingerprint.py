@@ -5,7 +5,8 @@ generated code, on a machine without a GPU.
     python benchmarks/ptx_fingerprint.py after.json --compare before.json  # exit 1 if any kernel changed
 
 Covers both forward families, with and without dropout, at D=64 and 128 with a plain mask, a
-buffer-reading mask with a score_mod, a per-element score load and a transcendental score_mod, and
+buffer-reading mask with a score_mod, a per-element score load and a transcendental score_mod; the sm90
+forward over three warpgroups with P through shared memory at D=96 and 128 (causal under a block mask); and
 the backward with two of them: sm80 at D=64 with and without dropout, sm90 at D=64, 128 and 256 (its
 own layout), with dropout at D=64 and 128 and in deterministic mode at D=128. Comments and the module-level copies of constants are dropped from the PTX before
 hashing (renaming or moving a constexpr changes only those).
@@ -46,6 +47,12 @@ def fingerprints() -> dict[str, str]:
                     spec = make_spec("fwd", score, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
                                      dropout=dropout, family=family)
                     out[f"{family}-D{head_dim}-{name}{'-dropout' if dropout else ''}"] = _hash(render(spec))
+    # The sm90 forward over three warpgroups with P through shared memory (D = 96 and 128, no score_mod).
+    for head_dim in (96, 128):
+        spec = make_spec("fwd", None, V.causal, head_dim=head_dim, dtype="bf16", arch="sm_90a", family="sm90",
+                         mask_block=(128, 128))
+        assert spec.block_m == 192, "the case no longer plans the three-warpgroup forward"
+        out[f"sm90-D{head_dim}-causal-p-in-smem"] = _hash(render(spec))
     # The backward: sm80 at D=64 with and without dropout; sm90 at D=64, 128 and 256, with dropout at D=64 and 128,
     # and in deterministic mode at D=128.
     bwd = [("sm80", 64, "")] + [("sm80", 64, "dropout")] + [("sm90", head_dim, "") for head_dim in (64, 128, 256)]
