@@ -45,7 +45,7 @@ class Call:
     score_folds: bool = False  # a forward's score_mod folds into per-head terms (dsl/affine.py, dsl/softcap.py)
     score_affine: bool = False  # a backward's score_mod folds into affine terms of the indices (ALiBi, dsl/affine.py)
     mask_loads: bool = False  # mask_mod reads a buffer
-    banded: bool = False  # mask_mod hides keys far behind their query (a sliding window): each query sees a band
+    banded: bool = False  # a forward's mask_mod hides keys far behind their query (a sliding window): a band
     mod_ops: int = 0  # operations in score_mod and mask_mod together
     max_scores: bool = False  # a forward that also writes the row max of the scores
     split_kv: bool = False  # a forward that splits each query tile's keys over several CTAs (runtime/split_kv.py)
@@ -330,8 +330,9 @@ class SM90(Family):
         score_mod, dropout or a band of keys, with P through shared memory (templates/sm90/fwd.cu.j2, P_IN_SMEM):
         5-8% less kernel time on full and causal attention. There a sliding window ran 0.7% (D = 96) and 5% (128)
         slower: in a band W wide a tile of H rows walks about (H + 64) / W more keys than its rows need, a quarter
-        for 192 rows at W = 1024 against a fifth for 128, in partial tiles. ALiBi and soft caps at D = 96 ran 0.2-2.2% slower (their softmax spills 28-56 B at 160 registers);
-        dropout's Philox state spills 104-752 B there. docs/forward-sm90.md."""
+        for 192 rows at W = 1024 against a fifth for 128, in partial tiles. ALiBi and soft caps at D = 96 ran
+        0.2-2.2% slower (their softmax spills 28-56 B at 160 registers); dropout's Philox state spills 104-752 B
+        there. docs/forward-sm90.md."""
         return panel_width(call.head_dim) == 64 or (call.head_dim in (96, 128) and not (call.scored or call.banded
                                                                                          or call.dropout))
 

@@ -64,7 +64,8 @@ def _plan(kind, arch, head_dim, dtype, score_expr, mask_expr, family, tiles, dro
                 tiles=tuple((name, int(value)) for name, value in tiles), mask_block=mask_block,
                 blocks_follow_mask=blocks_follow_mask,
                 masked=mask_expr is not None, scored=score_expr is not None,
-                mod_loads=score_loads or mask_loads, mask_loads=mask_loads, banded=_banded(mask_expr),
+                mod_loads=score_loads or mask_loads, mask_loads=mask_loads,
+                banded=kind == "fwd" and _banded(mask_expr),
                 score_folds=kind == "fwd" and fold is not None,
                 score_affine=kind == "bwd" and isinstance(fold, AffineScore),
                 mod_ops=sum(_operations(e) for e in (score_expr, mask_expr) if e is not None),
@@ -97,7 +98,8 @@ BAND_PROBE_DISTANCE, BAND_PROBE_PARAM = 1 << 20, 1024
 def _banded(mask_expr: Node | None) -> bool:
     if mask_expr is None:
         return False
-    params = {name: BAND_PROBE_PARAM for name, dtype in params_of(mask_expr).items() if dtype in (DType.INT32, DType.INT64)}
+    params = {name: BAND_PROBE_PARAM for name, dtype in params_of(mask_expr).items()
+              if dtype in (DType.INT32, DType.INT64)}
     far = classify_tile(mask_expr, (BAND_PROBE_DISTANCE, BAND_PROBE_DISTANCE + 256), (0, 256), params=params)
     return far is TileClass.EMPTY
 
