@@ -52,19 +52,22 @@ def test_compiles_without_spills_and_matches_host_layouts(name, D):
     # Per-element score loads (relative_bias) and D = 256 (O's accumulator is 128 registers) keep the KV tile at
     # 64 columns; D = 32 and 64 take three consumer warpgroups on 192-row tiles unless a mod reads a buffer in its
     # loop (document ids, bias tables; ALiBi's slopes are read once per work tile, as its score_mod folds), D = 96
-    # and 128 without a score_mod (and for masks but a band of keys, a sliding window's).
+    # without a buffer read in its loop, D = 128 without a score_mod (and for both, masks but a band of keys, a
+    # sliding window's).
     # Head dims 32 and 96 load 64 and 128 columns (zero-filled past the tensors' own by the TMA loads) and compute
     # their own.
     width = -(-D // 64) * 64
     block_n = 64 if name == "relative_bias" or D == 256 else 128
     three = (width == 64 and name in ("none", "causal", "softcap_causal", "alibi_causal")
-             or D in (96, 128) and name in ("none", "causal"))
+             or D in (96, 128) and name in ("none", "causal")
+             or D == 96 and name in ("softcap_causal", "alibi_causal"))
     assert (spec.block_m, spec.block_n, spec.num_warps, spec.num_stages) == ((192, 128, 12, 2) if three else (128, block_n, 8, 2))
     kernel = jit.get_kernel(spec)
     assert kernel.cubin[:4] == b"\x7fELF"
     assert "sm90 family" in kernel.source
-    # At D = 96 and 128 over three warpgroups P goes through shared memory: O += P V takes A by descriptor.
-    p_in_smem = three and width == 128
+    # At D = 96 and 128 over three warpgroups P goes through shared memory: O += P V takes A by descriptor. So it
+    # does at D = 32 and 64 beside a score_mod called per score (the soft cap; ALiBi folds into affine terms).
+    p_in_smem = three and (width == 128 or name == "softcap_causal")
     assert ("store_p(s_p_rows, s)" in kernel.source) == p_in_smem
     a_operands = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{D}k16\.f32\.bf16\.bf16\s*\{{[^}}]*\}},\s*(\S)", kernel.ptx)
     assert ("{" not in a_operands) == p_in_smem, "P V's A operand: a descriptor with P in shared memory, else registers"
@@ -194,15 +197,20 @@ def test_tile_choice():
     ("document", False, False),  # a mask that reads buffers keeps the FADDs (the consumers' spills rose)
     ("softcap_causal", True, False),  # dropout's normaliser is the sum of the P before dropping
 ])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128])
 def test_which_forwards_sum_rows_on_the_tensor_cores(name, dropout, want, D):
     """The forward sums P's rows by a product with a tile of ones beside P V where it has a score_mod, but with
-    dropout or a mask that reads buffers, and without a score_mod, by FADDs (docs/forward-sm90.md)."""
+    dropout or a mask that reads buffers, without a score_mod, and where P goes through shared memory at D = 96 and
+    128 (three warpgroups), by FADDs (docs/forward-sm90.md)."""
     score, mask = cpu_variants()[name]
     spec = make_spec("fwd", score, mask, head_dim=D, dtype="bf16", arch="sm_90a", dropout=dropout,
                      mask_block=(128, 128) if mask is not None else None, **SM90)
     source = render(spec)
-    assert f"constexpr bool TENSOR_ROW_SUMS = {'true' if want else 'false'};" in source
+    p_in_smem = "store_p(s_p_rows, s)" in source
+    assert p_in_smem == (not dropout and (D in (96, 128) and name in ("none", "causal")
+                                          or D == 96 and name in ("softcap_causal", "alibi_causal")
+                                          or D == 64 and name == "softcap_causal"))
+    assert f"constexpr bool TENSOR_ROW_SUMS = {'true' if want and not (p_in_smem and D > 64) else 'false'};" in source
 
 
 # ---------------------------------------------------------------- on a Hopper GPU

@@ -326,15 +326,15 @@ class SM90(Family):
 
     @staticmethod
     def _three_warpgroup_head(call: Call) -> bool:
-        """Whether a forward takes three consumer warpgroups for its head dim: at 32 and 64; at 96 and 128 without a
-        score_mod, dropout or a band of keys, with P through shared memory (templates/sm90/fwd.cu.j2, P_IN_SMEM):
-        5-8% less kernel time on full and causal attention. There a sliding window ran 0.7% (D = 96) and 5% (128)
-        slower: in a band W wide a tile of H rows walks about (H + 64) / W more keys than its rows need, a quarter
-        for 192 rows at W = 1024 against a fifth for 128, in partial tiles. ALiBi and soft caps at D = 96 ran
-        0.2-2.2% slower (their softmax spills 28-56 B at 160 registers); dropout's Philox state spills 104-752 B
-        there. docs/forward-sm90.md."""
-        return panel_width(call.head_dim) == 64 or (call.head_dim in (96, 128) and not (call.scored or call.banded
-                                                                                         or call.dropout))
+        """Whether a forward takes three consumer warpgroups for its head dim: at 32 and 64; at 96 and 128 without
+        dropout or a band of keys, with P through shared memory (templates/sm90/fwd.cu.j2, P_IN_SMEM): 5-8% less
+        kernel time on full and causal attention. There a sliding window ran 0.7% (D = 96) and 5% (128) slower: in
+        a band W wide a tile of H rows walks about (H + 64) / W more keys than its rows need, a quarter for 192 rows
+        at W = 1024 against a fifth for 128, in partial tiles. Dropout's Philox state spills 104-752 B there. A
+        score_mod only at D = 96 (soft cap -3.4%, ALiBi level with two warpgroups); at 128 its softmax spills
+        200-1100 B. docs/forward-sm90.md."""
+        return panel_width(call.head_dim) == 64 or (call.head_dim in (96, 128) and not (call.banded or call.dropout)
+                                                     and (not call.scored or call.head_dim == 96))
 
     @staticmethod
     def _merges_rows(call: Call) -> bool:
