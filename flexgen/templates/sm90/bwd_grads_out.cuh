@@ -141,11 +141,15 @@ __device__ __forceinline__ void dq_warp(const TensorMap* dq_map, float* dq_accum
         if (kind == DQ_KIND_EXIT) break;
         if (kind == DQ_KIND_REDUCE && issuer) {
             if constexpr (DQ_FRAGMENTS) {
-                // blocks of DQ_ROWS rows x HEAD_DIM, each its column chunks in turn
+                // blocks of DQ_ROWS rows x HEAD_DIM, each its column chunks in turn (the last one narrower at D = 96)
                 const int block = (slot[DQ_SLOT_BATCH] * heads + slot[DQ_SLOT_HEAD]) * (q_len_padded / DQ_ROWS) +
                                   slot[DQ_SLOT_ROW] / DQ_ROWS;
-                bulk_reduce_add(dq_accum + (long long)block * DQ_ROWS * HEAD_DIM + slot[DQ_SLOT_COL] * DQ_ROWS, panels,
-                                DQ_ROWS * dq_chunk_cols(served) * 4);
+                if constexpr (HEAD_DIM % DQ_COLS == 0)
+                    bulk_reduce_add(dq_accum + (long long)(block * (D / DQ_COLS) + slot[DQ_SLOT_COL] / DQ_COLS) *
+                                    (DQ_ROWS * DQ_COLS), panels, DQ_ROWS * DQ_COLS * 4);
+                else
+                    bulk_reduce_add(dq_accum + (long long)block * DQ_ROWS * HEAD_DIM + slot[DQ_SLOT_COL] * DQ_ROWS,
+                                    panels, DQ_ROWS * dq_chunk_cols(served) * 4);
             } else {
                 #pragma unroll
                 for (int panel = 0; panel < DQ_PANELS; ++panel)
