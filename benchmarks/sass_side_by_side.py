@@ -127,7 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=("fwd", "bwd"), default="bwd")
     p.add_argument("--variant", choices=("full", "causal"), default="causal")
-    p.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    p.add_argument("--head-dim", type=int, choices=(64, 96, 128), default=128)
     p.add_argument("--fa4-python", required=True, help="a Python with flash-attn-4 and nvidia-cutlass-dsl")
     p.add_argument("--nvdisasm", default="nvdisasm")
     p.add_argument("--min-block", type=int, default=25)

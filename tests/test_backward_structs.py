@@ -196,7 +196,7 @@ def test_fragment_order_helpers_compile_and_match_the_struct(head_dim):
     for mask in (None, V.causal.expr):
         bwd = plan("bwd", "sm_90a", head_dim, "bf16", None, mask)
         width = -(-head_dim // 64) * 64
-        assert dq_fragments(bwd) == ((width, width // 2, 80) if bwd.block_m == 80 else None)
+        assert dq_fragments(bwd) == ((head_dim, width // 2, 80) if bwd.block_m == 80 else None)
         assert (bwd.block_m == 80) == (mask is None and width == 128)
         if bwd.block_m == 80:
             _fragment_helpers_compile(bwd, head_dim)

@@ -40,12 +40,12 @@ def panel_width(head_dim: int) -> int:
 def dq_fragments(bwd: "KernelSpec") -> tuple[int, int, int] | None:
     """(width, chunk columns, block rows) of the fp32 dQ accumulator in fragment order, where the main backward
     kernel `bwd` adds dQ so: the sm90 kernel's 80-row steps (templates/sm90/bwd.cu.j2, DQ_TRANSPOSED), whose
-    warpgroups each compute a chunk of 80 rows x 64 columns transposed, as a m64n80 wgmma's accumulator. Every other
-    backward adds dQ row-major (None)."""
-    width = panel_width(bwd.head_dim)
+    warpgroups each compute a chunk of 80 rows x 64 columns transposed, as a m64n80 wgmma's accumulator. The width
+    is the head dim: at D = 96 the second chunk keeps its 32 columns of the head only. Every other backward adds dQ
+    row-major (None)."""
     if bwd.family != "sm90" or bwd.deterministic or bwd.block_m != 80:
         return None  # (row-major: by TMA reductions of swizzled panels, or from registers)
-    return width, width // 2, 80
+    return bwd.head_dim, panel_width(bwd.head_dim) // 2, 80
 
 
 def with_dq_layout(bwd: "KernelSpec", helper: "KernelSpec") -> "KernelSpec":

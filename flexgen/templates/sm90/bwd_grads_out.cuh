@@ -35,6 +35,15 @@ __device__ __forceinline__ void dq_panels_full(int* slot, int kind, int col, int
 }
 
 
+// dQ's registers in fragment order: float4 j of this thread at `at` + j * HOLDERS float4s.
+template <int HOLDERS>
+__device__ __forceinline__ void store_dq_fragments(const float (&dq)[DQ_REGS], unsigned at) {
+    #pragma unroll
+    for (int j = 0; j < DQ_REGS / 4; ++j)
+        asm volatile("st.shared.v4.f32 [%0], { %1, %2, %3, %4 };\n" ::"r"(at + j * HOLDERS * 16), "f"(dq[4 * j]),
+                     "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3]) : "memory");
+}
+
 // This warpgroup's dQ accumulator into its staging panels (see DQ_STAGE_BYTES) for its dQ warp's reductions
 // (DQ_WARPS): once that warp's previous reductions have read them, and handed over without waiting. Row-major:
 // element pairs (row, col), (row, col + 1) share a 16-byte chunk; with the swizzle a warp's 8-byte stores hit every
@@ -45,13 +54,15 @@ __device__ __forceinline__ void store_dq(const float (&dq)[DQ_REGS], unsigned ch
     if constexpr (DQ_FRAGMENTS) {
         // The thread's address from an opaque copy of its index: a plain one is loop-invariant, and ptxas then keeps
         // it in registers across the whole step (8 B of spills in the soft-cap and ALiBi backwards).
+        // Only the threads holding the head's own columns store (dq_chunk_cols): 2 per column, 16 per warp. Each
+        // stride has a copy of its own, so that the offsets stay immediates.
         unsigned t;
         asm volatile("mov.u32 %0, %1;\n" : "=r"(t) : "r"(wtid));
         const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(panels)) + t * 16;
-        #pragma unroll
-        for (int j = 0; j < DQ_REGS / 4; ++j)
-            asm volatile("st.shared.v4.f32 [%0], { %1, %2, %3, %4 };\n" ::"r"(at + j * 128 * 16), "f"(dq[4 * j]),
-                         "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3]) : "memory");
+        if (dq_chunk_cols(wg) == DQ_COLS)
+            store_dq_fragments<2 * DQ_COLS>(dq, at);
+        else if (wtid < 2 * dq_chunk_cols(wg))
+            store_dq_fragments<2 * (HEAD_DIM % DQ_COLS)>(dq, at);
     } else {
         #pragma unroll
         for (int i = 0; i < DQ_REGS; i += 2) {
@@ -130,9 +141,15 @@ __device__ __forceinline__ void dq_warp(const TensorMap* dq_map, float* dq_accum
         if (kind == DQ_KIND_EXIT) break;
         if (kind == DQ_KIND_REDUCE && issuer) {
             if constexpr (DQ_FRAGMENTS) {
-                const int chunk = ((slot[DQ_SLOT_BATCH] * heads + slot[DQ_SLOT_HEAD]) * (q_len_padded / DQ_ROWS) +
-                                   slot[DQ_SLOT_ROW] / DQ_ROWS) * (D / DQ_COLS) + slot[DQ_SLOT_COL] / DQ_COLS;
-                bulk_reduce_add(dq_accum + (long long)chunk * DQ_CHUNK_FLOATS, panels, DQ_CHUNK_FLOATS * 4);
+                // blocks of DQ_ROWS rows x HEAD_DIM, each its column chunks in turn (the last one narrower at D = 96)
+                const int block = (slot[DQ_SLOT_BATCH] * heads + slot[DQ_SLOT_HEAD]) * (q_len_padded / DQ_ROWS) +
+                                  slot[DQ_SLOT_ROW] / DQ_ROWS;
+                if constexpr (HEAD_DIM % DQ_COLS == 0)
+                    bulk_reduce_add(dq_accum + (long long)(block * (D / DQ_COLS) + slot[DQ_SLOT_COL] / DQ_COLS) *
+                                    (DQ_ROWS * DQ_COLS), panels, DQ_ROWS * DQ_COLS * 4);
+                else
+                    bulk_reduce_add(dq_accum + (long long)block * DQ_ROWS * HEAD_DIM + slot[DQ_SLOT_COL] * DQ_ROWS,
+                                    panels, DQ_ROWS * dq_chunk_cols(served) * 4);
             } else {
                 #pragma unroll
                 for (int panel = 0; panel < DQ_PANELS; ++panel)
