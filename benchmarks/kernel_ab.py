@@ -7,7 +7,8 @@ H200 moves the same kernel by up to 10% between rounds (benchmarks/ab_bench.sh, 
     ... run --kind fwd --only 64:document-causal,64:causal ...  (some cases only: HEAD_DIM:VARIANT, comma-separated)
     ... run --kind bwd_all ...   (the whole backward: preprocess, main kernel and postprocess, summed per call)
 
-`run` (on the GPU machine) starts, per round and tree, one process under `ncu --clock-control base` that runs every
+`run` (on the GPU machine) starts, per round and tree (their order rotated from round to round: give as many
+rounds as trees), one process under `ncu --clock-control base` that runs every
 case (`cases`, below) with that tree's flexgen on PYTHONPATH and its own kernel cache, and keeps ncu's CSV as
 ncu_<tree>_r<round>.csv. Each case launches the kernel LAUNCHES times; the first (which follows the compile) is
 left out. Prepare other trees with `bash benchmarks/ab_bench.sh prepare REV DIR` and carry them in the call.
@@ -85,6 +86,14 @@ def run_cases(kind: str, n: int = SEQLEN, heads: int = 16, tokens: int | None = 
             torch.cuda.synchronize()
 
 
+def rotated(trees: list, by: int) -> list:
+    """The trees in round `by`'s order: the list rotated by one place per round, so that over as many rounds as
+    trees each one runs in each place of the sequence once. (With a fixed order, the later trees of one call read
+    0.9-1.2% above the first on a kernel identical to the first's: docs/backward.md, v37.)"""
+    by %= len(trees)
+    return trees[by:] + trees[:by]
+
+
 def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeout_s: float, n: int = SEQLEN,
         only: str | None = None) -> None:
     selected(kind, only)  # (a bad --only stops here, before any process starts)
@@ -92,7 +101,7 @@ def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeou
     (out / "trees.txt").write_text(" ".join(label for label, _ in trees) + "\n")
     script = Path(__file__).resolve()
     for r in range(1, rounds + 1):
-        for label, tree in trees:
+        for label, tree in rotated(trees, r - 1):
             env = dict(os.environ, FLEXGEN_CACHE_DIR=f"/tmp/kernel_ab_cache_{label}",
                        PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
             cmd = ["ncu", "--clock-control", "base", "--kernel-name", f"regex:{KERNEL[kind]}",

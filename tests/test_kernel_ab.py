@@ -105,3 +105,28 @@ def test_the_whole_backward_sums_its_three_kernels_per_call(tmp_path):
     (tmp_path / "trees.txt").write_text("base this\n")
     line = next(line for line in report(tmp_path) if line.startswith("| 128 full |"))
     assert f"{full / 1e3:.1f} us (+0.0%, spread 0.0%, n=3)" in line and "(+10.0%" in line
+
+
+def test_each_tree_takes_each_place_in_the_order_once_over_as_many_rounds(tmp_path, monkeypatch):
+    """A fixed order biased the later trees (docs/backward.md, v37): `run` rotates it from round to round."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import kernel_ab
+
+    started = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr, timeout):
+        started.append(Path(cwd).name)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(kernel_ab.subprocess, "run", fake_run)
+    names = ["base", "same", "new", "other"][: random.randrange(2, 5)]
+    trees = []
+    for name in names:
+        (tmp_path / name).mkdir()
+        trees.append((name, tmp_path / name))
+    kernel_ab.run("fwd", trees, len(names), tmp_path / "out", timeout_s=1.0)
+    rounds = [started[i:i + len(names)] for i in range(0, len(started), len(names))]
+    assert len(rounds) == len(names) and all(sorted(r) == sorted(names) for r in rounds)
+    for place in range(len(names)):
+        assert sorted(r[place] for r in rounds) == sorted(names)  # every tree once in every place
+    assert rounds[0] == names  # (the first round in the order given)
