@@ -8,7 +8,8 @@ flexgen's kernel comes from this tree (NVRTC, through flexgen's kernel cache). F
 (FLASH_ATTENTION_ARCH=sm_90, CUTE_DSL_ARCH=sm_90a, fake CUDA tensors), run in `--fa4-python`: a Python with
 flash-attn-4 and nvidia-cutlass-dsl installed (both have CPU wheels; for Python 3.11 take the cp311 ones of the
 versions benchmarks/fa4_setup.sh names, plus triton). nvdisasm comes from pip's nvidia-cuda-nvdisasm
-(`--nvdisasm`). Blocks of fewer than `--min-block` instructions are left out of the listing; `--out DIR` keeps
+(`--nvdisasm`). Variants: full, causal and sliding1024 (causal within 1024 keys: flexgen's sliding_window(1024) over
+128 x 128 mask blocks, FA4's window_size (1023, 0)). Blocks of fewer than `--min-block` instructions are left out of the listing; `--out DIR` keeps
 both disassemblies.
 """
 from __future__ import annotations
@@ -31,11 +32,14 @@ FA4_COMPILE = """
 import sys, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-causal, d = sys.argv[1] == "causal", int(sys.argv[2])
+variant, d = sys.argv[1], int(sys.argv[2])
+causal = variant != "full"
+window = (int(variant[len("sliding"):]) - 1, 0) if variant.startswith("sliding") else (None, None)
 with FakeTensorMode(allow_non_fake_inputs=True):
     q, k, v, do = (torch.empty(2, 8192, 16, d, dtype=torch.bfloat16, device="cuda") for _ in range(4))
-    out, lse = _flash_attn_fwd(q, k, v, causal=causal, return_lse=True)[:2]
-    _flash_attn_bwd(q, k, v, out, do, lse, causal=causal)
+    out, lse = _flash_attn_fwd(q, k, v, causal=causal, window_size_left=window[0], window_size_right=window[1],
+                               return_lse=True)[:2]
+    _flash_attn_bwd(q, k, v, out, do, lse, causal=causal, window_size_left=window[0], window_size_right=window[1])
 """
 
 
@@ -96,7 +100,7 @@ def flexgen_cubin(kind: str, variant: str, head_dim: int) -> bytes:
     from flexgen.cache import jit
     from flexgen.codegen.api import make_spec
 
-    mask = V.causal if variant == "causal" else None
+    mask = {"full": None, "causal": V.causal, "sliding1024": V.sliding_window(1024)}[variant]
     spec = make_spec(kind, None, mask, head_dim=head_dim, dtype="bf16", arch="sm_90a",
                      mask_block=(128, 128) if mask is not None else None, family="sm90")
     return jit.get_kernel(spec).cubin
@@ -126,7 +130,7 @@ def disassemble(cubin: bytes, nvdisasm: str, keep: Path | None, name: str) -> st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", choices=("fwd", "bwd"), default="bwd")
-    p.add_argument("--variant", choices=("full", "causal"), default="causal")
+    p.add_argument("--variant", choices=("full", "causal", "sliding1024"), default="causal")
     p.add_argument("--head-dim", type=int, choices=(64, 96, 128), default=128)
     p.add_argument("--fa4-python", required=True, help="a Python with flash-attn-4 and nvidia-cutlass-dsl")
     p.add_argument("--nvdisasm", default="nvdisasm")

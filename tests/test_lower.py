@@ -436,6 +436,49 @@ def random_cases(seed: int, count: int) -> list[Case]:
     return cases
 
 
+def _band_cases() -> list[tuple[Case, bool]]:
+    """(case, whether it lowers to fg_band): band masks `0 <= d < w` / `<= w` in each written form, over bounds
+    that are negative, zero, small, past every index and the type's largest; and near misses that must not."""
+    d = bin_("sub", Q, KV)
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    d64 = bin_("sub", Q64, KV64)
+    w, w64 = ir.param("w", DType.INT32), ir.param("w64", DType.INT64)
+    forms = [
+        (bin_("and", bin_("ge", Q, KV), bin_("lt", d, w)), "w", True),
+        (bin_("and", bin_("le", d, w), bin_("le", KV, Q)), "w", True),
+        (bin_("and", bin_("gt", w, d), bin_("ge", d, c(0))), "w", True),
+        (bin_("and", bin_("le", c(0), d), bin_("ge", w, d)), "w", True),
+        (bin_("and", bin_("ge", Q64, KV64), bin_("lt", d64, w64)), "w64", True),
+        (bin_("and", bin_("ge", Q64, KV64), bin_("le", d64, w64)), "w64", True),
+        # not a band of d: the lower bound is on another difference, or not at 0
+        (bin_("and", bin_("ge", KV, Q), bin_("lt", d, w)), "w", False),
+        (bin_("and", bin_("gt", Q, KV), bin_("lt", d, w)), "w", False),
+        (bin_("and", bin_("ge", d, c(1)), bin_("lt", d, w)), "w", False),
+    ]
+    cases = []
+    for expr, name, band in forms:
+        top = 2**31 - 1 if name == "w" else 2**63 - 1
+        for bound in (-7, -1, 0, 1, 17, 299, top):
+            cases.append((Case("mask", expr, params={name: bound}), band))
+    # a difference that can overflow (an int32 buffer's values minus q_idx) keeps the two compares
+    spec, base = _buffer("offsets", torch.int32, (8,), seed=61)
+    far = bin_("sub", ir.load(spec, (H,)), Q)
+    cases.append((Case("mask", bin_("and", bin_("ge", ir.load(spec, (H,)), Q), bin_("lt", far, c(40))),
+                       buffers={"offsets": base}), False))
+    return cases
+
+
+@needs_gxx
+def test_band_masks_lower_to_one_compare(tmp_path):
+    """A band (a sliding window's `q_idx >= kv_idx and q_idx - kv_idx < window`) is one unsigned compare in the
+    emitted code, with the same answers as the IR evaluator at every bound, negative and extreme ones included."""
+    cases = _band_cases()
+    for case, band in cases:
+        code = lower_mods(KernelSpec(kind="fwd", mask_expr=case.expr)).code
+        assert ("fg_band_" in code) == band, (ir.Node.__repr__(case.expr), code)
+    check([case for case, _ in cases], tmp_path)
+
+
 @needs_gxx
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_expressions_match_evaluator(tmp_path, seed):

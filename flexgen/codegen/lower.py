@@ -292,6 +292,32 @@ def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] |
     return None
 
 
+def _upper_bound(n: Node) -> tuple[Node, Node, str] | None:
+    """(d, c, "lt" or "le") where n is `d < c` or `d <= c` (or `c > d`, `c >= d`) over an integer difference d."""
+    if n.op in ("lt", "le"):
+        d, c, kind = n.args[0], n.args[1], n.op
+    elif n.op in ("gt", "ge"):
+        d, c, kind = n.args[1], n.args[0], "lt" if n.op == "gt" else "le"
+    else:
+        return None
+    if d.op != "sub" or not d.dtype.is_int or c.dtype is not d.dtype:
+        return None
+    return d, c, kind
+
+
+def _nonnegative(n: Node, d: Node) -> bool:
+    """Whether n is `x >= y` (or `y <= x`) for d = x - y, or `d >= 0` (`0 <= d`)."""
+    if n.op == "ge":
+        big, small = n.args
+    elif n.op == "le":
+        small, big = n.args
+    else:
+        return False
+    if big.digest == d.digest:
+        return small.op == "const" and small.attr == 0
+    return (big.digest, small.digest) == (d.args[0].digest, d.args[1].digest)
+
+
 _MAX_INLINE = 240  # characters of C an expression may grow to before it is named
 
 
@@ -412,9 +438,26 @@ class _Body:
             return _call(self._helper("fg_" + op), a)
         if op in _WRAPPING and not is_float and not exact:
             return _call(self._helper(_WRAPPING[op], "fg_wrap"), a)
+        if op == "and":
+            band = self._band(n)
+            if band is not None:
+                return band
         if op in _INFIX:
             return f"({a[0]} {_INFIX[op]} {a[1]})"
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
+
+    def _band(self, n: Node) -> str | None:
+        """`x >= y and x - y < c` (or `<= c`, either order, `0 <= d` for `x >= y`) as one unsigned compare
+        (fg_band), where x - y cannot overflow: then x >= y is exactly 0 <= x - y. None for any other `and`."""
+        for lower, upper in (n.args, n.args[::-1]):
+            bound = _upper_bound(upper)
+            if bound is None:
+                continue
+            d, c, kind = bound
+            if self.ranges.get(d.digest) is None or not _nonnegative(lower, d):
+                continue
+            return _call(self._helper(f"fg_band_{kind}", "fg_band"), [self.expr[d.digest], self.expr[c.digest]])
+        return None
 
     def _cast(self, src: DType, dst: DType, x: str) -> str:
         if dst is DType.BOOL:

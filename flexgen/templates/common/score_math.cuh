@@ -119,6 +119,19 @@ __device__ __forceinline__ float fg_max(float a, float b) { return (a != a || b 
 __device__ __forceinline__ int fg_max(int a, int b) { return a < b ? b : a; }
 __device__ __forceinline__ long long fg_max(long long a, long long b) { return a < b ? b : a; }
 
+// @section fg_band
+// 0 <= d < c and 0 <= d <= c (a band: a sliding window's `q_idx >= kv_idx and q_idx - kv_idx < window`), for a d
+// computed without overflow: one unsigned compare per element where the two signed ones took two. A negative d is
+// at least 2^31 unsigned, above any bound; the bound's clamp is the same for every element.
+__device__ __forceinline__ bool fg_band_lt(int d, int c) { return (unsigned)d < (unsigned)(c < 0 ? 0 : c); }
+__device__ __forceinline__ bool fg_band_lt(long long d, long long c) {
+    return (unsigned long long)d < (unsigned long long)(c < 0 ? 0 : c);
+}
+__device__ __forceinline__ bool fg_band_le(int d, int c) { return (unsigned)d < (unsigned)(c < -1 ? -1 : c) + 1u; }
+__device__ __forceinline__ bool fg_band_le(long long d, long long c) {
+    return (unsigned long long)d < (unsigned long long)(c < -1 ? -1 : c) + 1ull;
+}
+
 // @section fg_fast
 // The fast forms below use the special-function unit (a few ulp, far below the bf16/fp16 rounding
 // of P) unless the kernel is built with the precise_math option, which defines FLEXGEN_PRECISE_MATH.
