@@ -5,7 +5,8 @@ H200 moves the same kernel by up to 10% between rounds (benchmarks/ab_bench.sh, 
     python3 benchmarks/kernel_ab.py run --kind bwd --tree base=.gpu/ab_base --tree this=. --rounds 3 --out $OUT
     python3 benchmarks/kernel_ab.py report $OUT            (anywhere: medians per case, and each tree against the first)
     ... run --kind fwd --only 64:document-causal,64:causal ...  (some cases only: HEAD_DIM:VARIANT, comma-separated)
-    ... run --kind bwd_all ...   (the whole backward: preprocess, main kernel and postprocess, summed per call)
+    ... run --kind bwd_all ...   (the whole backward: preprocess, main kernel and postprocess, summed per call;
+                                   the report adds each kernel's own medians)
 
 `run` (on the GPU machine) starts, per round and tree (their order rotated from round to round: give as many
 rounds as trees), one process under `ncu --clock-control base` that runs every
@@ -113,34 +114,34 @@ def run(kind: str, trees: list[tuple[str, Path]], rounds: int, out: Path, timeou
             print(f"{label} round {r}: rc {rc} -> {path.name}", flush=True)
 
 
-def durations(path: Path) -> dict[str, list[float]]:
-    """{'<D> <variant>': [ns of each launch but the first]} from one ncu CSV (the CASE lines give the order). Where
-    ncu timed several kernels per launch (bwd_all: the backward's three, in launch order), their times are summed."""
+def launches(path: Path) -> dict[str, dict[str, list[float]]]:
+    """{'<D> <variant>': {kernel name: [ns of each launch but the first]}} from one ncu CSV (the CASE lines give the
+    order; bwd_all times the backward's three kernels per call, in launch order)."""
     lines = path.read_text().splitlines()
     cases = [line.split(None, 1)[1] for line in lines if line.startswith("CASE ")]
     rows = csv.DictReader(line for line in lines if line.startswith('"'))
-    ns = {int(row["ID"]): float(row["Metric Value"].replace(",", ""))
-          for row in rows if row["Metric Name"] == "gpu__time_duration.sum"}
-    ids = sorted(ns)
+    timed = {int(row["ID"]): (row["Kernel Name"], float(row["Metric Value"].replace(",", "")))
+             for row in rows if row["Metric Name"] == "gpu__time_duration.sum"}
+    ids = sorted(timed)
     if not cases or not ids or len(ids) % (LAUNCHES * len(cases)):
         raise ValueError(f"{path.name}: {len(ids)} kernel launches for {len(cases)} cases; expected {LAUNCHES} each")
     per_call = len(ids) // (LAUNCHES * len(cases))
-    calls = [sum(ns[i] for i in ids[j:j + per_call]) for j in range(0, len(ids), per_call)]
-    return {case: calls[LAUNCHES * c + 1:LAUNCHES * (c + 1)] for c, case in enumerate(cases)}
-
-
-def report(folder: Path) -> str:
-    """A markdown table: per case, each tree's median microseconds over all rounds, its change against the baseline
-    (the first tree `run` was given; else `base`), and the spread (max - min over the median)."""
     found: dict[str, dict[str, list[float]]] = {}
-    for path in sorted(folder.glob("ncu_*_r*.csv")):
-        label = re.match(r"ncu_(.+)_r\d+\.csv$", path.name)[1]
-        for case, times in durations(path).items():
-            found.setdefault(case, {}).setdefault(label, []).extend(times)
-    labels = sorted({label for by_label in found.values() for label in by_label})
-    listed = folder / "trees.txt"  # (written by run: the trees in the order given, the baseline first)
-    order = [t for t in listed.read_text().split() if t in labels] if listed.exists() else []
-    order += [label for label in sorted(labels, key=lambda t: t != "base") if label not in order]
+    for c, case in enumerate(cases):
+        for call in range(LAUNCHES * c + 1, LAUNCHES * (c + 1)):
+            for i in ids[call * per_call:(call + 1) * per_call]:
+                name, ns = timed[i]
+                found.setdefault(case, {}).setdefault(name, []).append(ns)
+    return found
+
+
+def durations(path: Path) -> dict[str, list[float]]:
+    """{'<D> <variant>': [ns of each launch but the first]} from one ncu CSV; where ncu timed several kernels per
+    launch (bwd_all), their times are summed."""
+    return {case: [sum(times) for times in zip(*by_kernel.values())] for case, by_kernel in launches(path).items()}
+
+
+def _table(found: dict[str, dict[str, list[float]]], order: list[str]) -> list[str]:
     lines = ["| case | " + " | ".join(order) + " |", "|---" * (len(order) + 1) + "|"]
     for case, by_label in found.items():
         base = statistics.median(by_label[order[0]])
@@ -153,6 +154,29 @@ def report(folder: Path) -> str:
             med = statistics.median(t)
             cells.append(f"{med / 1e3:.1f} us ({med / base - 1:+.1%}, spread {(max(t) - min(t)) / med:.1%}, n={len(t)})")
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(folder: Path) -> str:
+    """A markdown table: per case, each tree's median microseconds over all rounds, its change against the baseline
+    (the first tree `run` was given; else `base`), and the spread (max - min over the median). Where each call timed
+    several kernels (bwd_all), a second table gives each kernel's own medians."""
+    found: dict[str, dict[str, list[float]]] = {}
+    by_kernel: dict[str, dict[str, list[float]]] = {}
+    for path in sorted(folder.glob("ncu_*_r*.csv")):
+        label = re.match(r"ncu_(.+)_r\d+\.csv$", path.name)[1]
+        for case, kernels in launches(path).items():
+            found.setdefault(case, {}).setdefault(label, []).extend(sum(t) for t in zip(*kernels.values()))
+            if len(kernels) > 1:
+                for name, times in kernels.items():
+                    by_kernel.setdefault(f"{case}: {name}", {}).setdefault(label, []).extend(times)
+    labels = sorted({label for by_label in found.values() for label in by_label})
+    listed = folder / "trees.txt"  # (written by run: the trees in the order given, the baseline first)
+    order = [t for t in listed.read_text().split() if t in labels] if listed.exists() else []
+    order += [label for label in sorted(labels, key=lambda t: t != "base") if label not in order]
+    lines = _table(found, order)
+    if by_kernel:
+        lines += ["", "By kernel:", ""] + _table(by_kernel, order)
     return "\n".join(lines)
 
 

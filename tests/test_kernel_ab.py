@@ -13,18 +13,19 @@ HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context",
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
 
-def ncu_csv(cases: dict[str, list[float]], launches: int = 4, kernels=("flexgen_bwd",)) -> str:
+def ncu_csv(cases: dict[str, list[float]], launches: int = 4, kernels=("flexgen_bwd",), shares=None) -> str:
     """ncu --csv output as the device writes it: the program's CASE lines first, then one row per kernel launched
-    (`kernels` per call, each taking an equal share of the call's time)."""
+    (`kernels` per call, each taking its share of the call's time: `shares`, else equal ones)."""
+    shares = shares or [1 / len(kernels)] * len(kernels)
     lines = ["==PROF== Connected to process 1 (/usr/bin/python3)"] + [f"CASE {c}" for c in cases] + [HEADER]
     launch = 0
     for times in cases.values():
         assert len(times) == launches
         for ns in times:
-            for name in kernels:
+            for name, share in zip(kernels, shares):
                 lines.append(f'"{launch}","1","python3","127.0.0.1","{name}","1","7","(384, 1, 1)","(132, 1, 1)",'
                              f'"0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns",'
-                             f'"{ns / len(kernels):,.0f}"')
+                             f'"{ns * share:,.0f}"')
                 launch += 1
     return "\n".join(lines) + "\n"
 
@@ -105,6 +106,26 @@ def test_the_whole_backward_sums_its_three_kernels_per_call(tmp_path):
     (tmp_path / "trees.txt").write_text("base this\n")
     line = next(line for line in report(tmp_path) if line.startswith("| 128 full |"))
     assert f"{full / 1e3:.1f} us (+0.0%, spread 0.0%, n=3)" in line and "(+10.0%" in line
+
+
+def test_the_whole_backward_also_reports_each_kernel(tmp_path):
+    """With several kernels per call, a second table gives each kernel's medians: a change in the main kernel alone
+    shows there, diluted in the sums."""
+    rng = random.Random()
+    three = ("flexgen_bwd_preprocess", "flexgen_bwd", "flexgen_bwd_postprocess")
+    main_ns = 1000.0 * rng.randrange(2_000, 5_000)
+    base = {"96 causal": [9e9] + [main_ns * 1.2] * 3}
+    this = {"96 causal": [9e9] + [main_ns * 1.25] * 3}  # the main kernel 5% slower, the others unchanged
+    (tmp_path / "ncu_base_r1.csv").write_text(ncu_csv(base, kernels=three, shares=[0.1 / 1.2, 1 / 1.2, 0.1 / 1.2]))
+    (tmp_path / "ncu_this_r1.csv").write_text(ncu_csv(this, kernels=three, shares=[0.1 / 1.25, 1.05 / 1.25, 0.1 / 1.25]))
+    (tmp_path / "trees.txt").write_text("base this\n")
+    lines = report(tmp_path)
+    assert "By kernel:" in lines
+    by = {line.split(" | ")[0]: line for line in lines if line.startswith("| 96 causal: ")}
+    assert set(by) == {f"| 96 causal: {name}" for name in three}
+    assert f"{main_ns / 1e3:.1f} us (+0.0%" in by["| 96 causal: flexgen_bwd"] and "(+5.0%" in by["| 96 causal: flexgen_bwd"]
+    assert "(+0.0%, spread 0.0%, n=3) | " in by["| 96 causal: flexgen_bwd_preprocess"]
+    assert by["| 96 causal: flexgen_bwd_postprocess"].endswith("(+0.0%, spread 0.0%, n=3) |")
 
 
 def test_each_tree_takes_each_place_in_the_order_once_over_as_many_rounds(tmp_path, monkeypatch):
