@@ -437,8 +437,9 @@ def random_cases(seed: int, count: int) -> list[Case]:
 
 
 def _band_cases() -> list[tuple[Case, bool]]:
-    """(case, whether it lowers to fg_band): band masks `0 <= d < w` / `<= w` in each written form, over bounds
-    that are negative, zero, small, past every index and the type's largest; and near misses that must not."""
+    """(case, whether it lowers to fg_band): band masks `0 <= d < w` / `<= w` in each written form (transformers'
+    `kv_idx > q_idx - w` among them), over bounds that are negative, zero, small, past every index and the type's
+    largest; and near misses that must not."""
     d = bin_("sub", Q, KV)
     Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
     d64 = bin_("sub", Q64, KV64)
@@ -460,6 +461,18 @@ def _band_cases() -> list[tuple[Case, bool]]:
         top = 2**31 - 1 if name == "w" else 2**63 - 1
         for bound in (-7, -1, 0, 1, 17, 299, top):
             cases.append((Case("mask", expr, params={name: bound}), band))
+    # transformers' sliding window, `kv_idx > q_idx - window` beside `kv_idx <= q_idx`: a band where q_idx - window
+    # cannot wrap (a constant window of at least 0), two compares otherwise (a negative constant, a parameter)
+    for bound in (-7, -1, 0, 1, 17, 299, 2**31 - 1):
+        shifted = bin_("sub", Q, c(bound))
+        cases.append((Case("mask", bin_("and", bin_("le", KV, Q), bin_("gt", KV, shifted))), bound >= 0))
+        cases.append((Case("mask", bin_("and", bin_("lt", shifted, KV), bin_("ge", Q, KV))), bound >= 0))
+        cases.append((Case("mask", bin_("and", bin_("le", KV, Q), bin_("ge", KV, bin_("sub", Q, w))),
+                           params={"w": bound}), False))
+    # ... as its and_masks builds it, from True
+    window = bin_("gt", KV, bin_("sub", Q, c(100)))
+    cases.append((Case("mask", bin_("and", bin_("and", c(True), bin_("le", KV, Q)), window)), True))
+    cases.append((Case("mask", bin_("and", bin_("and", c(True), window), bin_("le", KV, Q))), True))
     # a difference that can overflow (an int32 buffer's values minus q_idx) keeps the two compares
     spec, base = _buffer("offsets", torch.int32, (8,), seed=61)
     far = bin_("sub", ir.load(spec, (H,)), Q)
