@@ -595,13 +595,45 @@ def test_text_is_readable():
 
 
 def test_signatures_and_helpers():
-    low = lower_mods(_spec(score=bin_("floordiv", Q, c(3)), mask=bin_("eq", bin_("mod", Q, c(2)), c(0))))
+    d = bin_("sub", Q, KV)  # (may be negative: the floored helpers)
+    low = lower_mods(_spec(score=bin_("floordiv", d, c(3)), mask=bin_("eq", bin_("mod", d, c(2)), c(0))))
     assert "__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.score_mod_fn
     assert "__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.mask_mod_fn
-    assert "return (float)fg_floordiv(q_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
+    assert "return (float)fg_floordiv(q_idx - kv_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
     assert set(low.helpers) == {"fg_floordiv", "fg_mod"}
     assert low.mod_args_decl.index("fg_floordiv") < low.mod_args_decl.index("struct ModArgs")
     assert "#include" not in low.code
+
+
+def test_floor_division_of_non_negative_values_is_unsigned_division():
+    """An index over a positive constant (chunks, tiles, NATTEN's windows): C's unsigned / and % are torch's // and %
+    there, with none of the floored helpers' sign fix-ups; a divisor that may be below 1 keeps them."""
+    low = lower_mods(_spec(mask=bin_("eq", bin_("floordiv", Q, c(64)), bin_("mod", bin_("floordiv", KV, c(3)), c(5)))))
+    assert "((unsigned)q_idx / (unsigned)64)" in low.mask_mod_fn
+    assert "((unsigned)(int)((unsigned)kv_idx / (unsigned)3) % (unsigned)5)" in low.mask_mod_fn
+    assert not low.helpers
+    kept = lower_mods(_spec(mask=bin_("eq", bin_("floordiv", Q, ir.param("chunk", DType.INT32)), c(0))))
+    assert "fg_floordiv(q_idx, args.chunk)" in kept.mask_mod_fn
+
+
+@needs_gxx
+def test_unsigned_division_matches_the_evaluator(tmp_path):
+    """The unsigned forms against the IR evaluator on the host: constant and index divisors, int32 and int64."""
+    Q64 = ir.cast(Q, DType.INT64)
+    cases = []
+    for k in (1, 3, 64, 2**31 - 1):
+        cases.append(Case("score", ir.cast(bin_("floordiv", Q, c(k)), DType.FLOAT32)))
+        cases.append(Case("score", ir.cast(bin_("mod", KV, c(k)), DType.FLOAT32)))
+        cases.append(Case("score", ir.cast(bin_("floordiv", Q64, c(k, DType.INT64)), DType.FLOAT32)))
+        cases.append(Case("mask", bin_("eq", bin_("mod", Q64, c(k, DType.INT64)), bin_("mod", ir.cast(KV, DType.INT64), c(k, DType.INT64)))))
+    divisor = bin_("add", bin_("mod", KV, c(100)), c(1))  # (1 to 100)
+    cases.append(Case("score", ir.cast(bin_("floordiv", Q, divisor), DType.FLOAT32)))
+    cases.append(Case("score", ir.cast(bin_("mod", Q, divisor), DType.FLOAT32)))
+    for case in cases:
+        code = lower_mods(KernelSpec(kind="fwd", score_expr=case.expr if case.kind == "score" else None,
+                                     mask_expr=case.expr if case.kind == "mask" else None)).code
+        assert "fg_floordiv" not in code and "fg_mod" not in code, code
+    check(cases, tmp_path)
 
 
 def test_a_mod_reading_many_elements_is_called_not_inlined():

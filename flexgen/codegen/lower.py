@@ -285,8 +285,10 @@ def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] |
                 corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
                 lo, hi = min(corners), max(corners)
         return (lo, hi) if _fits(lo, hi, n.dtype) else None
-    if op == "mod" and n.args[1].op == "const" and n.args[1].attr > 0:
-        return (0, n.args[1].attr - 1)
+    if op == "floordiv" and args[0] is not None and args[1] is not None and args[0][0] >= 0 and args[1][0] >= 1:
+        return (args[0][0] // args[1][1], args[0][1] // args[1][0])
+    if op == "mod" and args[1] is not None and args[1][0] >= 1:  # (floored: in [0, b) for any a)
+        return (0, args[1][1] - 1)
     if op == "sign":
         return (-1, 1)
     return None
@@ -433,6 +435,11 @@ class _Body:
             return f"({a[0]} * {a[1]})" if exact else _call(self._helper("fg_mul", "fg_wrap"), a)
         if op == "div":
             return _call(self._helper("fg_div"), a)
+        if op in ("floordiv", "mod") and not is_float and self._natural(n.args[0], n.args[1]):
+            # both operands known non-negative (indices, positive constants): C's unsigned / and % are torch's
+            unsigned = "unsigned" if n.dtype is DType.INT32 else "unsigned long long"
+            c_op = "/" if op == "floordiv" else "%"
+            return f"({CTYPE[n.dtype]})(({unsigned}){a[0]} {c_op} ({unsigned}){a[1]})"
         if op == "floordiv":
             return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
         if op == "mod":
@@ -472,6 +479,11 @@ class _Body:
                 difference = self.expr[shifted.digest] if written else f"{self.expr[x.digest]} - {self.expr[y.digest]}"
                 return _call(self._helper(f"fg_band_{kind}", "fg_band"), [difference, self.expr[c.digest]])
         return None
+
+    def _natural(self, a: Node, b: Node) -> bool:
+        """Whether a >= 0 and b >= 1 for every input (their ranges say so)."""
+        ra, rb = self.ranges.get(a.digest), self.ranges.get(b.digest)
+        return ra is not None and rb is not None and ra[0] >= 0 and rb[0] >= 1
 
     def _exact_difference(self, x: Node, y: Node) -> bool:
         """Whether x - y, in their type, cannot overflow."""
