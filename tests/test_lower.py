@@ -437,9 +437,8 @@ def random_cases(seed: int, count: int) -> list[Case]:
 
 
 def _band_cases() -> list[tuple[Case, bool]]:
-    """(case, whether it lowers to fg_band): band masks `0 <= d < w` / `<= w` in each written form (transformers'
-    `kv_idx > q_idx - w` among them), over bounds that are negative, zero, small, past every index and the type's
-    largest; and near misses that must not."""
+    """(case, whether it lowers to fg_band): band masks `0 <= d < w` / `<= w` in each written form, over bounds
+    that are negative, zero, small, past every index and the type's largest; and near misses that must not."""
     d = bin_("sub", Q, KV)
     Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
     d64 = bin_("sub", Q64, KV64)
@@ -461,18 +460,6 @@ def _band_cases() -> list[tuple[Case, bool]]:
         top = 2**31 - 1 if name == "w" else 2**63 - 1
         for bound in (-7, -1, 0, 1, 17, 299, top):
             cases.append((Case("mask", expr, params={name: bound}), band))
-    # transformers' sliding window, `kv_idx > q_idx - window` beside `kv_idx <= q_idx`: a band where q_idx - window
-    # cannot wrap (a constant window of at least 0), two compares otherwise (a negative constant, a parameter)
-    for bound in (-7, -1, 0, 1, 17, 299, 2**31 - 1):
-        shifted = bin_("sub", Q, c(bound))
-        cases.append((Case("mask", bin_("and", bin_("le", KV, Q), bin_("gt", KV, shifted))), bound >= 0))
-        cases.append((Case("mask", bin_("and", bin_("lt", shifted, KV), bin_("ge", Q, KV))), bound >= 0))
-        cases.append((Case("mask", bin_("and", bin_("le", KV, Q), bin_("ge", KV, bin_("sub", Q, w))),
-                           params={"w": bound}), False))
-    # ... as its and_masks builds it, from True
-    window = bin_("gt", KV, bin_("sub", Q, c(100)))
-    cases.append((Case("mask", bin_("and", bin_("and", c(True), bin_("le", KV, Q)), window)), True))
-    cases.append((Case("mask", bin_("and", bin_("and", c(True), window), bin_("le", KV, Q))), True))
     # a difference that can overflow (an int32 buffer's values minus q_idx) keeps the two compares
     spec, base = _buffer("offsets", torch.int32, (8,), seed=61)
     far = bin_("sub", ir.load(spec, (H,)), Q)
@@ -595,45 +582,13 @@ def test_text_is_readable():
 
 
 def test_signatures_and_helpers():
-    d = bin_("sub", Q, KV)  # (may be negative: the floored helpers)
-    low = lower_mods(_spec(score=bin_("floordiv", d, c(3)), mask=bin_("eq", bin_("mod", d, c(2)), c(0))))
+    low = lower_mods(_spec(score=bin_("floordiv", Q, c(3)), mask=bin_("eq", bin_("mod", Q, c(2)), c(0))))
     assert "__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.score_mod_fn
     assert "__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.mask_mod_fn
-    assert "return (float)fg_floordiv(q_idx - kv_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
+    assert "return (float)fg_floordiv(q_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
     assert set(low.helpers) == {"fg_floordiv", "fg_mod"}
     assert low.mod_args_decl.index("fg_floordiv") < low.mod_args_decl.index("struct ModArgs")
     assert "#include" not in low.code
-
-
-def test_floor_division_of_non_negative_values_is_unsigned_division():
-    """An index over a positive constant (chunks, tiles, NATTEN's windows): C's unsigned / and % are torch's // and %
-    there, with none of the floored helpers' sign fix-ups; a divisor that may be below 1 keeps them."""
-    low = lower_mods(_spec(mask=bin_("eq", bin_("floordiv", Q, c(64)), bin_("mod", bin_("floordiv", KV, c(3)), c(5)))))
-    assert "((unsigned)q_idx / (unsigned)64)" in low.mask_mod_fn
-    assert "((unsigned)(int)((unsigned)kv_idx / (unsigned)3) % (unsigned)5)" in low.mask_mod_fn
-    assert not low.helpers
-    kept = lower_mods(_spec(mask=bin_("eq", bin_("floordiv", Q, ir.param("chunk", DType.INT32)), c(0))))
-    assert "fg_floordiv(q_idx, args.chunk)" in kept.mask_mod_fn
-
-
-@needs_gxx
-def test_unsigned_division_matches_the_evaluator(tmp_path):
-    """The unsigned forms against the IR evaluator on the host: constant and index divisors, int32 and int64."""
-    Q64 = ir.cast(Q, DType.INT64)
-    cases = []
-    for k in (1, 3, 64, 2**31 - 1):
-        cases.append(Case("score", ir.cast(bin_("floordiv", Q, c(k)), DType.FLOAT32)))
-        cases.append(Case("score", ir.cast(bin_("mod", KV, c(k)), DType.FLOAT32)))
-        cases.append(Case("score", ir.cast(bin_("floordiv", Q64, c(k, DType.INT64)), DType.FLOAT32)))
-        cases.append(Case("mask", bin_("eq", bin_("mod", Q64, c(k, DType.INT64)), bin_("mod", ir.cast(KV, DType.INT64), c(k, DType.INT64)))))
-    divisor = bin_("add", bin_("mod", KV, c(100)), c(1))  # (1 to 100)
-    cases.append(Case("score", ir.cast(bin_("floordiv", Q, divisor), DType.FLOAT32)))
-    cases.append(Case("score", ir.cast(bin_("mod", Q, divisor), DType.FLOAT32)))
-    for case in cases:
-        code = lower_mods(KernelSpec(kind="fwd", score_expr=case.expr if case.kind == "score" else None,
-                                     mask_expr=case.expr if case.kind == "mask" else None)).code
-        assert "fg_floordiv" not in code and "fg_mod" not in code, code
-    check(cases, tmp_path)
 
 
 def test_a_mod_reading_many_elements_is_called_not_inlined():

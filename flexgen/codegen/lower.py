@@ -285,50 +285,37 @@ def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] |
                 corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
                 lo, hi = min(corners), max(corners)
         return (lo, hi) if _fits(lo, hi, n.dtype) else None
-    if op == "floordiv" and args[0] is not None and args[1] is not None and args[0][0] >= 0 and args[1][0] >= 1:
-        return (args[0][0] // args[1][1], args[0][1] // args[1][0])
-    if op == "mod" and args[1] is not None and args[1][0] >= 1:  # (floored: in [0, b) for any a)
-        return (0, args[1][1] - 1)
+    if op == "mod" and n.args[1].op == "const" and n.args[1].attr > 0:
+        return (0, n.args[1].attr - 1)
     if op == "sign":
         return (-1, 1)
     return None
 
 
-def _upper_bounds(n: Node) -> list[tuple[Node, Node, Node, bool, str]]:
-    """The readings of n as an upper bound on a difference x - y: (x, y, c, written, kind) for `x - y < c` (or
-    `<= c`, `c > x - y`, `c >= x - y`; kind "lt" or "le"; written: n holds x - y itself), and for `x - c < y` (`y > x -
-    c`: transformers' sliding window, `kv_idx > q_idx - window`), which is `x - y < c` where x - c cannot overflow
-    (the caller checks). Empty where n is no such compare."""
+def _upper_bound(n: Node) -> tuple[Node, Node, str] | None:
+    """(d, c, "lt" or "le") where n is `d < c` or `d <= c` (or `c > d`, `c >= d`) over an integer difference d."""
     if n.op in ("lt", "le"):
-        small, big, kind = n.args[0], n.args[1], n.op
+        d, c, kind = n.args[0], n.args[1], n.op
     elif n.op in ("gt", "ge"):
-        small, big, kind = n.args[1], n.args[0], "lt" if n.op == "gt" else "le"
+        d, c, kind = n.args[1], n.args[0], "lt" if n.op == "gt" else "le"
     else:
-        return []
-    if small.op != "sub" or not small.dtype.is_int or big.dtype is not small.dtype:
-        return []
-    a, b = small.args
-    return [(a, b, big, True, kind), (a, big, b, False, kind)]
+        return None
+    if d.op != "sub" or not d.dtype.is_int or c.dtype is not d.dtype:
+        return None
+    return d, c, kind
 
 
-def _without_true(n: Node) -> Node:
-    """n without `True and` around it (transformers' and_masks starts its chain from True)."""
-    while n.op == "and" and any(a.op == "const" and a.attr is True for a in n.args):
-        n = n.args[1] if n.args[0].op == "const" and n.args[0].attr is True else n.args[0]
-    return n
-
-
-def _nonnegative(n: Node, x: Node, y: Node) -> bool:
-    """Whether n is `x >= y` (or `y <= x`), or `x - y >= 0` (`0 <= x - y`)."""
+def _nonnegative(n: Node, d: Node) -> bool:
+    """Whether n is `x >= y` (or `y <= x`) for d = x - y, or `d >= 0` (`0 <= d`)."""
     if n.op == "ge":
         big, small = n.args
     elif n.op == "le":
         small, big = n.args
     else:
         return False
-    if big.op == "sub" and small.op == "const" and small.attr == 0:
-        big, small = big.args
-    return (big.digest, small.digest) == (x.digest, y.digest)
+    if big.digest == d.digest:
+        return small.op == "const" and small.attr == 0
+    return (big.digest, small.digest) == (d.args[0].digest, d.args[1].digest)
 
 
 _MAX_INLINE = 240  # characters of C an expression may grow to before it is named
@@ -435,11 +422,6 @@ class _Body:
             return f"({a[0]} * {a[1]})" if exact else _call(self._helper("fg_mul", "fg_wrap"), a)
         if op == "div":
             return _call(self._helper("fg_div"), a)
-        if op in ("floordiv", "mod") and not is_float and self._natural(n.args[0], n.args[1]):
-            # both operands known non-negative (indices, positive constants): C's unsigned / and % are torch's
-            unsigned = "unsigned" if n.dtype is DType.INT32 else "unsigned long long"
-            c_op = "/" if op == "floordiv" else "%"
-            return f"({CTYPE[n.dtype]})(({unsigned}){a[0]} {c_op} ({unsigned}){a[1]})"
         if op == "floordiv":
             return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
         if op == "mod":
@@ -465,30 +447,17 @@ class _Body:
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
 
     def _band(self, n: Node) -> str | None:
-        """`x >= y and x - y < c` (or `<= c`, either order, `0 <= x - y` for `x >= y`, `y > x - c` for `x - y < c`,
-        either side inside `True and`) as one unsigned compare (fg_band), where neither x - y nor a written x - c can
-        overflow: then the forms are exactly 0 <= x - y < c. None for any other `and`."""
-        a, b = (_without_true(arg) for arg in n.args)
-        for lower, upper in ((a, b), (b, a)):
-            for x, y, c, written, kind in _upper_bounds(upper):
-                shifted = upper.args[0] if upper.op in ("lt", "le") else upper.args[1]  # (x - y, or x - c)
-                if not written and self.ranges.get(shifted.digest) is None:
-                    continue  # (x - c may wrap)
-                if not self._exact_difference(x, y) or not _nonnegative(lower, x, y):
-                    continue
-                difference = self.expr[shifted.digest] if written else f"{self.expr[x.digest]} - {self.expr[y.digest]}"
-                return _call(self._helper(f"fg_band_{kind}", "fg_band"), [difference, self.expr[c.digest]])
+        """`x >= y and x - y < c` (or `<= c`, either order, `0 <= d` for `x >= y`) as one unsigned compare
+        (fg_band), where x - y cannot overflow: then x >= y is exactly 0 <= x - y. None for any other `and`."""
+        for lower, upper in (n.args, n.args[::-1]):
+            bound = _upper_bound(upper)
+            if bound is None:
+                continue
+            d, c, kind = bound
+            if self.ranges.get(d.digest) is None or not _nonnegative(lower, d):
+                continue
+            return _call(self._helper(f"fg_band_{kind}", "fg_band"), [self.expr[d.digest], self.expr[c.digest]])
         return None
-
-    def _natural(self, a: Node, b: Node) -> bool:
-        """Whether a >= 0 and b >= 1 for every input (their ranges say so)."""
-        ra, rb = self.ranges.get(a.digest), self.ranges.get(b.digest)
-        return ra is not None and rb is not None and ra[0] >= 0 and rb[0] >= 1
-
-    def _exact_difference(self, x: Node, y: Node) -> bool:
-        """Whether x - y, in their type, cannot overflow."""
-        rx, ry = self.ranges.get(x.digest), self.ranges.get(y.digest)
-        return rx is not None and ry is not None and _fits(rx[0] - ry[1], rx[1] - ry[0], x.dtype)
 
     def _cast(self, src: DType, dst: DType, x: str) -> str:
         if dst is DType.BOOL:
