@@ -135,12 +135,6 @@ def launches(path: Path) -> dict[str, dict[str, list[float]]]:
     return found
 
 
-def durations(path: Path) -> dict[str, list[float]]:
-    """{'<D> <variant>': [ns of each launch but the first]} from one ncu CSV; where ncu timed several kernels per
-    launch (bwd_all), their times are summed."""
-    return {case: [sum(times) for times in zip(*by_kernel.values())] for case, by_kernel in launches(path).items()}
-
-
 def _table(found: dict[str, dict[str, list[float]]], order: list[str]) -> list[str]:
     lines = ["| case | " + " | ".join(order) + " |", "|---" * (len(order) + 1) + "|"]
     for case, by_label in found.items():
