@@ -9,8 +9,8 @@ flexgen's kernel comes from this tree (NVRTC, through flexgen's kernel cache). F
 flash-attn-4 and nvidia-cutlass-dsl installed (both have CPU wheels; for Python 3.11 take the cp311 ones of the
 versions benchmarks/fa4_setup.sh names, plus triton). nvdisasm comes from pip's nvidia-cuda-nvdisasm
 (`--nvdisasm`). Variants: full, causal and sliding1024 (causal within 1024 keys: flexgen's sliding_window(1024) over
-128 x 128 mask blocks, FA4's window_size (1023, 0)). Blocks of fewer than `--min-block` instructions are left out of the listing; `--out DIR` keeps
-both disassemblies.
+128 x 128 mask blocks, FA4's window_size (1023, 0)). Blocks of fewer than `--min-block` instructions are left out of
+the listing; `--out DIR` keeps both disassemblies.
 """
 from __future__ import annotations
 
