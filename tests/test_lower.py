@@ -94,12 +94,13 @@ def _inputs(seed: int):
     return pts
 
 
-def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool = False):
+def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool = False, points: dict | None = None):
     """Compile every case into one C++ program; return, per case, (host results, reference).
     Backward cases take grad_out = 1 + i / N at point i; `deterministic`: deterministic mode's
     gradient slots, and grad_out = 0 at every third point (what such a kernel passes for masked scores);
-    the points are then grouped by (b, h) and the slots flushed between groups, as a kernel step does."""
-    pts = _inputs(seed)
+    the points are then grouped by (b, h) and the slots flushed between groups, as a kernel step does.
+    `points`: the inputs (N_POINTS of each, as _inputs gives them) instead of random ones."""
+    pts = _inputs(seed) if points is None else points
     if deterministic:
         order = torch.argsort(pts["b"] * 8 + pts["h"], stable=True)
         pts = {name: t[order] for name, t in pts.items()}
@@ -202,8 +203,8 @@ def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool 
     return results
 
 
-def check(cases, tmp_path, seed=0):
-    for case, (got, ref, _, _) in zip(cases, run_on_host(cases, tmp_path, seed)):
+def check(cases, tmp_path, seed=0, points=None):
+    for case, (got, ref, _, _) in zip(cases, run_on_host(cases, tmp_path, seed, points=points)):
         if case.kind == "mask" or case.exact:
             torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"{case.kind}_mod {ir.Node.__repr__(case.expr)}: {m}")
@@ -479,6 +480,89 @@ def test_band_masks_lower_to_one_compare(tmp_path):
     check([case for case, _ in cases], tmp_path)
 
 
+# ---------------------------------------------------------------- inputs at the edges of index arithmetic
+
+INT_MAX = 2**31 - 1
+
+
+def _edge_inputs(seed: int) -> dict:
+    """N_POINTS inputs at the edges of index arithmetic: q_idx - kv_idx around 0, small windows and 128 and 300,
+    queries and keys at 0 and near 2**31 - 1 (where q_idx - w and q_idx + 1 overflow), and a few heads near it."""
+    pts = _inputs(seed)
+    pairs = []
+    for q in (0, 1, 17, 128, 300, 2**30, INT_MAX - 300, INT_MAX - 18, INT_MAX - 1, INT_MAX):
+        for off in (-300, -18, -2, -1, 0, 1, 2, 16, 17, 18, 127, 128, 129, 299, 300):
+            if 0 <= q - off <= INT_MAX:
+                pairs.append((q, q - off))
+        pairs += [(q, 0), (q, INT_MAX)]
+    rng = random.Random(seed)
+    while len(pairs) < N_POINTS:
+        pairs.append((rng.randrange(400), rng.randrange(400)))
+    pts["q_idx"] = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
+    pts["kv_idx"] = torch.tensor([kv for _, kv in pairs], dtype=torch.int32)
+    pts["h"][-24:] = torch.arange(INT_MAX - 23, INT_MAX + 1, dtype=torch.int64).to(torch.int32)
+    return pts
+
+
+# ---------------------------------------------------------------- division of nonnegative integers
+
+
+def _division_cases() -> list[tuple[ir.Node, bool]]:
+    """(integer expression, whether its division is written unsigned): `//`, `%` and fmod of a dividend >= 0 by a
+    divisor >= 1, constant or not, int32 and int64; and near misses that keep the floored helpers."""
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    small = bin_("add", bin_("mod", H, c(4)), c(1))  # 1..4, not a constant
+    wide = bin_("add", bin_("mul", Q64, c(2**32, DType.INT64)), KV64)  # up to 2**63 - 1
+    some_zero = ir.where(bin_("eq", bin_("mod", H, c(4)), c(0)), c(-1), bin_("mod", H, c(4)))  # -1..3: 0 in the range
+    out = []
+    for op in ("floordiv", "mod", "fmod"):
+        out += [
+            (bin_(op, Q, c(128)), True), (bin_(op, KV, c(200)), True), (bin_(op, Q, c(INT_MAX)), True),
+            (bin_(op, KV, small), True), (bin_(op, H, c(7)), True),
+            (bin_(op, wide, c(3_000_000_007, DType.INT64)), True), (bin_(op, wide, ir.cast(small, DType.INT64)), True),
+            (bin_(op, Q64, c(2**40, DType.INT64)), True),
+            # may be negative, a negative or unknown divisor, a range that holds 0, a dividend that wraps
+            (bin_(op, bin_("sub", Q, KV), c(128)), False), (bin_(op, Q, c(-7)), False),
+            (bin_(op, Q, ir.param("p", DType.INT32)), False), (bin_(op, KV, some_zero), False),
+            (bin_(op, bin_("add", Q, c(5)), c(3)), False),
+        ]
+    return out
+
+
+@needs_gxx
+def test_nonnegative_division_lowers_to_unsigned(tmp_path):
+    """`//`, `%` and fmod where the dividend's range is >= 0 and the divisor's >= 1 are C's unsigned division,
+    cast back to the signed type, with the evaluator's answers at indices up to 2**31 - 1 and int64 dividends up to
+    2**63 - 1 (low 20 bits and magnitude both compared); near misses keep the helpers."""
+    cases = []
+    for expr, unsigned in _division_cases():
+        fn = lower_mods(KernelSpec(kind="fwd", mask_expr=bin_("ne", expr, c(-1, expr.dtype)))).mask_mod_fn
+        result = fn.split("return ", 1)[1]
+        assert result.startswith(("(int)((unsigned)", "(long long)((unsigned long long)")) == unsigned, fn
+        params = {name: 5 for name in ir.params_of(expr)}
+        low = bin_("bitand", expr, c(0xFFFFF, expr.dtype))
+        cases += [Case("score", ir.cast(e, DType.FLOAT32), params=params) for e in (low, expr)]
+    for seed in (0, 1):
+        check(cases, tmp_path, seed=seed, points=_edge_inputs(seed))
+
+
+def test_division_ranges_reach_later_expressions():
+    """A nonnegative quotient and remainder have exact ranges, so the arithmetic on them keeps C's operators:
+    NATTEN-like tiles `(q_idx // T) * T`, `abs(q_idx // T - kv_idx // T)`, chunked causal."""
+    def text(source):
+        return lower_mods(KernelSpec(kind="fwd", mask_expr=flexgen.mask_mod(source).expr)).mask_mod_fn
+
+    assert "((int)((unsigned)q_idx / 64u) * 64) <= kv_idx" in text("(q_idx // 64) * 64 <= kv_idx")
+    tiles = text("abs(q_idx // 64 - kv_idx // 64) <= 1")
+    assert "fg_abs((int)((unsigned)q_idx / 64u) - (int)((unsigned)kv_idx / 64u)) <= 1" in tiles
+    chunked = text("q_idx // 200 == kv_idx // 200 and q_idx >= kv_idx")
+    assert "((int)((unsigned)q_idx / 200u) == (int)((unsigned)kv_idx / 200u)) & (q_idx >= kv_idx)" in chunked
+    assert "(int)((unsigned)q_idx % 3u) + (int)((unsigned)kv_idx / 2u)" in text("q_idx % 3 + kv_idx // 2 < 7")
+    sixty_four = text("(q_idx.long() * 4294967296 + kv_idx) // 3 > 5")
+    assert "(long long)((unsigned long long)" in sixty_four and "fg_floordiv" not in sixty_four
+    assert "fg_floordiv(q_idx - kv_idx, 64)" in text("(q_idx - kv_idx) // 64 < 2")
+
+
 @needs_gxx
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_expressions_match_evaluator(tmp_path, seed):
@@ -582,10 +666,11 @@ def test_text_is_readable():
 
 
 def test_signatures_and_helpers():
-    low = lower_mods(_spec(score=bin_("floordiv", Q, c(3)), mask=bin_("eq", bin_("mod", Q, c(2)), c(0))))
+    d = bin_("sub", Q, KV)  # may be negative: the floored helpers
+    low = lower_mods(_spec(score=bin_("floordiv", d, c(3)), mask=bin_("eq", bin_("mod", d, c(2)), c(0))))
     assert "__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.score_mod_fn
     assert "__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.mask_mod_fn
-    assert "return (float)fg_floordiv(q_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
+    assert "return (float)fg_floordiv(q_idx - kv_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
     assert set(low.helpers) == {"fg_floordiv", "fg_mod"}
     assert low.mod_args_decl.index("fg_floordiv") < low.mod_args_decl.index("struct ModArgs")
     assert "#include" not in low.code
@@ -827,7 +912,7 @@ def test_new_ops_lower_to_the_expected_functions():
     text = lambda e, **kw: lower_mods(_spec(score=e, **kw)).code  # noqa: E731
     assert "rintf(score)" in text(un("round", S))  # the default rounding mode: ties to even
     assert "fmodf(score, 1.5f)" in text(bin_("fmod", S, c(1.5)))
-    assert "(q_idx % 7)" in text(ir.cast(bin_("fmod", Q, c(7)), DType.FLOAT32))
+    assert "((q_idx - kv_idx) % 7)" in text(ir.cast(bin_("fmod", bin_("sub", Q, KV), c(7)), DType.FLOAT32))
     assert "log1pf(" in text(un("log1p", S)) and "atanf(" in text(un("atan", S))
     low = lower_mods(_spec(score=bin_("add", un("round_to_fp16", S), un("round_to_bf16", un("sign", S)))))
     assert {"fg_round_fp16", "fg_round_bf16", "fg_sign"} <= set(low.helpers)

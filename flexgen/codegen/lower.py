@@ -10,7 +10,8 @@
                                                    // (deterministic mode: other slots, same signature)
 
 Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
-Python (small helper functions), floats are float32, int32/int64 are int/long long.
+Python (small helper functions; C's unsigned `/` and `%` where the dividend's range is >= 0 and the
+divisor's >= 1, where flooring and truncating agree), floats are float32, int32/int64 are int/long long.
 Integer `+ - *`, negation and abs wrap around like torch's int32/int64 tensors: where the
 operands' value ranges (indices are in [0, 2**31 - 1]) show that no overflow can happen the
 plain C operator is written, elsewhere `fg_add(a, b)` etc., which compute in unsigned
@@ -285,11 +286,31 @@ def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] |
                 corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
                 lo, hi = min(corners), max(corners)
         return (lo, hi) if _fits(lo, hi, n.dtype) else None
-    if op == "mod" and n.args[1].op == "const" and n.args[1].attr > 0:
-        return (0, n.args[1].attr - 1)
+    if op in ("floordiv", "mod", "fmod"):
+        return _division_range(op, args[0], args[1], n.dtype)
     if op == "sign":
         return (-1, 1)
     return None
+
+
+def _division_range(op: str, a: tuple[int, int] | None, b: tuple[int, int] | None,
+                    dtype: DType) -> tuple[int, int] | None:
+    """Bounds of integer `//`, `%` (floored, like torch) or fmod (truncated) over divisors that exclude 0. A dividend
+    of unknown range is any value of its type: the helpers take the wrapped value, and only INT_MIN // -1 leaves the
+    type (then None)."""
+    if b is None or b[0] <= 0 <= b[1]:
+        return None
+    (alo, ahi), (blo, bhi) = a if a is not None else INT_RANGE[dtype], b
+    if op == "floordiv":  # monotone in each operand on either side of 0: the extremes are at the corners
+        corners = (alo // blo, alo // bhi, ahi // blo, ahi // bhi)
+        lo, hi = min(corners), max(corners)
+        return (lo, hi) if _fits(lo, hi, dtype) else None
+    if op == "mod":  # the divisor's sign, below its magnitude; a dividend already in [0, b) is the result
+        if blo > 0:
+            return (alo, ahi) if 0 <= alo and ahi < blo else (0, bhi - 1 if alo < 0 else min(ahi, bhi - 1))
+        return (alo, ahi) if bhi < alo and ahi <= 0 else (blo + 1 if ahi > 0 else max(alo, blo + 1), 0)
+    top = max(abs(blo), abs(bhi)) - 1  # fmod: the dividend's sign, below the divisor's magnitude
+    return (0 if alo >= 0 else max(alo, -top), 0 if ahi <= 0 else min(ahi, top))
 
 
 def _upper_bound(n: Node) -> tuple[Node, Node, str] | None:
@@ -422,6 +443,8 @@ class _Body:
             return f"({a[0]} * {a[1]})" if exact else _call(self._helper("fg_mul", "fg_wrap"), a)
         if op == "div":
             return _call(self._helper("fg_div"), a)
+        if op in ("floordiv", "mod", "fmod") and not is_float and self._nonnegative_quotient(n):
+            return self._unsigned_division(n, a)
         if op == "floordiv":
             return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
         if op == "mod":
@@ -445,6 +468,24 @@ class _Body:
         if op in _INFIX:
             return f"({a[0]} {_INFIX[op]} {a[1]})"
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
+
+    # ---- integer division
+
+    def _nonnegative_quotient(self, n: Node) -> bool:
+        """Whether the dividend's range is >= 0 and the divisor's >= 1: floored and truncated division then agree,
+        and C's unsigned `/` and `%` compute them (the cheapest form, for a constant divisor a multiply-high)."""
+        a, b = (self.ranges.get(x.digest) for x in n.args)
+        return a is not None and b is not None and a[0] >= 0 and b[0] >= 1
+
+    def _unsigned_division(self, n: Node, a: list[str]) -> str:
+        """`//`, `%` or fmod of a dividend >= 0 by a divisor >= 1, in unsigned arithmetic, cast back to the signed
+        type (the quotient and remainder fit it)."""
+        unsigned, suffix = ("unsigned", "u") if n.dtype is DType.INT32 else ("unsigned long long", "ull")
+        divisor = n.args[1]
+        right = f"{divisor.attr}{suffix}" if divisor.op == "const" else f"({unsigned}){a[1]}"
+        return f"({CTYPE[n.dtype]})(({unsigned}){a[0]} {'/' if n.op == 'floordiv' else '%'} {right})"
+
+    # ---- conjunctions and bands
 
     def _band(self, n: Node) -> str | None:
         """`x >= y and x - y < c` (or `<= c`, either order, `0 <= d` for `x >= y`) as one unsigned compare
