@@ -563,6 +563,140 @@ def test_division_ranges_reach_later_expressions():
     assert "fg_floordiv(q_idx - kv_idx, 64)" in text("(q_idx - kv_idx) // 64 < 2")
 
 
+# ---------------------------------------------------------------- sliding windows in every spelling, and chains
+
+
+def _and_masks(*terms: ir.Node) -> ir.Node:
+    """A conjunction as transformers' and_masks traces it: True & a & b & ..."""
+    out = c(True)
+    for term in terms:
+        out = bin_("and", out, term)
+    return out
+
+
+def _window_cases() -> list[tuple[Case, int]]:
+    """(case, how many fg_band compares it lowers to): sliding windows spelled as transformers
+    (`kv_idx > q_idx - w` and `kv_idx <= q_idx` in and_masks' chain from True), `q_idx - w < kv_idx`,
+    `kv_idx >= q_idx - w + 1` and inside longer chains, with windows negative, zero, small and at the type's largest,
+    int32 and int64; and near misses, which keep the general form (among them each spelling where q_idx - w or
+    q_idx - w + 1 can overflow: a negative or run-time window)."""
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    causal, causal64 = bin_("le", KV, Q), bin_("le", KV64, Q64)
+    even_b = bin_("eq", bin_("mod", B, c(2)), c(0))
+    forms: list[tuple[ir.Node, dict, int]] = []
+    for w in (-7, -1, 0, 1, 17, 128, 299, INT_MAX):
+        W, fits = c(w), int(w >= 0)  # q_idx - w cannot overflow
+        overlay = bin_("gt", KV, bin_("sub", Q, W))  # transformers' sliding_window_overlay
+        forms += [
+            (_and_masks(overlay, causal), {}, fits),  # sliding_window_causal_mask_function
+            (_and_masks(causal, overlay), {}, fits),
+            (bin_("and", bin_("lt", bin_("sub", Q, W), KV), bin_("ge", Q, KV)), {}, fits),
+            (bin_("and", bin_("ge", KV, bin_("add", bin_("sub", Q, W), c(1))), causal), {}, int(w >= 1)),
+            (bin_("and", causal, bin_("ge", KV, bin_("sub", Q, W))), {}, fits),  # <= w
+            (_and_masks(bin_("ge", Q, KV), even_b, bin_("lt", bin_("sub", Q, KV), W)), {}, 1),
+            (_and_masks(even_b, bin_("gt", KV, bin_("sub", Q, W)), bin_("ne", H, c(3)), causal), {}, fits),
+            # int64: q_idx - w fits for every int32 window, and for 2**40
+            (_and_masks(causal64, bin_("gt", KV64, bin_("sub", Q64, c(w, DType.INT64)))), {}, 1),
+            (_and_masks(causal64, bin_("gt", KV64, bin_("sub", Q64, c(w * 2**9 + 2**40, DType.INT64)))), {}, 1),
+        ]
+    w, w64 = ir.param("w", DType.INT32), ir.param("w64", DType.INT64)
+    for value in (-(2**31), -7, 0, 17, INT_MAX):
+        forms += [
+            (_and_masks(causal, bin_("lt", bin_("sub", Q, KV), w)), {"w": value}, 1),
+            (_and_masks(bin_("gt", KV, bin_("sub", Q, w)), causal), {"w": value}, 0),  # q_idx - w may overflow
+            (_and_masks(causal64, bin_("gt", KV64, bin_("sub", Q64, w64))), {"w64": value * 2**32}, 0),
+        ]
+    t = bin_("mod", H, c(8))  # a bound that is an expression, moved across: q_idx - kv_idx < t + 3, < 100 - t
+    forms += [
+        (bin_("and", causal, bin_("gt", KV, bin_("sub", bin_("sub", Q, t), c(3)))), {}, 1),
+        (bin_("and", causal, bin_("gt", bin_("sub", KV, t), bin_("sub", Q, c(100)))), {}, 1),
+        (bin_("and", causal, bin_("lt", bin_("sub", Q, t), bin_("add", KV, c(-(2**31))))), {}, 1),  # < t - 2**31
+        (bin_("and", causal, bin_("ge", KV, bin_("add", bin_("sub", Q, t), c(1)))), {}, 0),  # q - t + 1 may overflow
+    ]
+    # two bands in one chain (a 2-D window over rows of 8), and a conjunction used twice
+    rq, rkv, cq, ckv = bin_("floordiv", Q, c(8)), bin_("floordiv", KV, c(8)), bin_("mod", Q, c(8)), bin_("mod", KV, c(8))
+    forms.append((_and_masks(bin_("ge", rq, rkv), bin_("le", ckv, cq), bin_("lt", bin_("sub", rq, rkv), c(3)),
+                             bin_("gt", ckv, bin_("sub", cq, c(2)))), {}, 2))
+    shared = _and_masks(causal, bin_("gt", KV, bin_("sub", Q, c(17))))
+    forms.append((bin_("or", bin_("and", shared, bin_("eq", H, c(0))), bin_("and", even_b, shared)), {}, 1))
+    others = [bin_("ne", H, c(k)) for k in range(40)]  # a chain past _MAX_CONJUNCTS terms is written in parts
+    forms.append((_and_masks(*others[:20], causal, bin_("gt", KV, bin_("sub", Q, c(17))), *others[20:]), {}, 1))
+    # near misses: a strict or shifted lower bound, the other difference, `or`, int32 against int64, a difference
+    # that can overflow, constants in the chain
+    overlay = bin_("gt", KV, bin_("sub", Q, c(17)))
+    spec, base = _buffer("offsets", torch.int32, (8,), seed=62, layout="sliced")
+    far = ir.load(spec, (bin_("mod", H, c(8)),))
+    forms += [
+        (_and_masks(bin_("lt", KV, Q), overlay), {}, 0),
+        (_and_masks(bin_("ge", bin_("sub", Q, c(1)), KV), overlay), {}, 0),
+        (_and_masks(bin_("ge", KV, Q), overlay), {}, 0),
+        (bin_("or", causal, overlay), {}, 0),
+        (_and_masks(bin_("ge", Q, KV), bin_("lt", bin_("sub", Q64, KV64), c(17, DType.INT64))), {}, 0),
+        (_and_masks(bin_("le", KV, far), bin_("gt", KV, bin_("sub", far, c(17)))), {}, 0),
+        (_and_masks(c(True), overlay, c(True), causal), {}, 1),
+        (bin_("and", bin_("and", overlay, c(False)), causal), {}, 1),
+        (bin_("and", c(True), c(True)), {}, 0),
+    ]
+    cases = []
+    for expr, params, bands in forms:
+        buffers = {"offsets": base} if "offsets" in repr(expr) else {}
+        cases.append((Case("mask", expr, params=params, buffers=buffers), bands))
+    return cases
+
+
+@needs_gxx
+def test_window_spellings_and_chains_lower_to_bands(tmp_path):
+    """Sliding windows in the spellings of transformers, attention-gym and FlexAttention's docs become one unsigned
+    compare each wherever the rewrite is exact, inside chains of other terms too; every case gives the IR
+    evaluator's answers at the edges (q_idx - kv_idx around each window, indices near 2**31 - 1)."""
+    cases = _window_cases()
+    for case, bands in cases:
+        fn = lower_mods(KernelSpec(kind="fwd", mask_expr=case.expr)).mask_mod_fn
+        body = fn.split("{", 1)[1]
+        assert body.count("fg_band_") == bands, (ir.Node.__repr__(case.expr), fn)
+    for seed in (0, 1):
+        check([case for case, _ in cases], tmp_path, seed=seed, points=_edge_inputs(seed))
+
+
+def _hf_and_masks(*mask_functions):
+    """transformers' masking_utils.and_masks, as written there."""
+    def and_mask(batch_idx, head_idx, q_idx, kv_idx):
+        result = q_idx.new_ones((), dtype=torch.bool)
+        for mask in mask_functions:
+            result = result & mask(batch_idx, head_idx, q_idx, kv_idx).to(result.device)
+        return result
+
+    return and_mask
+
+
+def test_window_spellings_emit_one_compare():
+    """The emitted mask_mod of traced sliding windows: transformers' sliding_window_causal_mask_function (its
+    overlay `kv_idx > q_idx - sliding_window` and causal_mask_function in its and_masks), torch's and flexgen's
+    and_masks, attention-gym's window; the general form where the window is a run-time parameter of that spelling."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    def text(fn, **bindings):
+        return lower_mods(KernelSpec(kind="fwd", mask_expr=flexgen.mask_mod(fn, **bindings).expr)).mask_mod_fn
+
+    def overlay(b, h, q_idx, kv_idx):
+        return kv_idx > q_idx - 128
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    for fn in (_hf_and_masks(overlay, causal), _hf_and_masks(causal, overlay), torch_flex.and_masks(causal, overlay),
+               flexgen.and_masks(flexgen.variants.causal, overlay),
+               lambda b, h, q, kv: (q - 128 < kv) & (q >= kv), lambda b, h, q, kv: (q >= kv) & (q - kv < 128)):
+        assert "    return fg_band_lt(q_idx - kv_idx, 128);\n" in text(fn)
+    assert "return fg_band_le(q_idx - kv_idx, 127);" in text(lambda b, h, q, kv: (kv >= q - 128 + 1) & (kv <= q))
+    assert "return fg_band_le(q_idx - kv_idx, 16);" in text(lambda b, h, q, kv: (q >= kv) & (q - kv <= 16))  # gym's
+    chain = text(_hf_and_masks(causal, lambda b, h, q, kv: b % 2 == 0, overlay))
+    assert "return fg_band_lt(q_idx - kv_idx, 128) & ((int)((unsigned)b % 2u) == 0);" in chain
+    assert "fg_band_lt(q_idx - kv_idx, args.window)" in text(flexgen.variants.sliding_window(64))
+    general = text("kv_idx > q_idx - w and kv_idx <= q_idx", w=64)
+    assert "return (kv_idx > fg_sub(q_idx, args.w)) & (kv_idx <= q_idx);" in general
+
+
 @needs_gxx
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_expressions_match_evaluator(tmp_path, seed):
