@@ -63,6 +63,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 DEFAULT_VARIANTS = ["full", "causal", "sliding1024", "alibi-causal", "softcap30-causal", "document-causal", "prefix-lm"]
+# Also known (--variants): masks spelled with // and % or as other libraries write them
+MORE_VARIANTS = ["sliding-hf1024", "chunked512-causal", "natten15", "softcap30", "alibi", "alibi-slopes-causal"]
+NATTEN_WIDTH = 128  # the canvas of the natten<K> variants: 128 tokens wide, N / 128 rows
 DEFAULT_IMPLS = ["flexgen", "sdpa-flash", "sdpa-cudnn", "flex"]  # and fa4, when it imports
 DEFAULT_LONG_IMPLS = ["flexgen", "sdpa-flash", "flex", "sdpa-effmask"]  # likewise
 KNOWN_IMPLS = DEFAULT_IMPLS + ["fa4", "sdpa-effmask", "sdpa-math"]
@@ -135,6 +138,13 @@ def build_variant(name: str, n: int, heads: int, device) -> Variant:
         return Variant(name, sdpa="full")
     if name == "causal":
         return Variant(name, mask=causal, sdpa="causal")
+    if name.startswith("sliding-hf"):
+        window = int(name[len("sliding-hf"):] or 1024)
+
+        def sliding_window_overlay(b, h, q_idx, kv_idx):  # transformers' spelling of the same window
+            return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+
+        return Variant(name, mask=sliding_window_overlay, note=f"window {window}", params={"window": window})
     if name.startswith("sliding"):
         window = int(name[len("sliding"):] or 1024)
 
@@ -142,6 +152,23 @@ def build_variant(name: str, n: int, heads: int, device) -> Variant:
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
         return Variant(name, mask=sliding_window, note=f"window {window}", params={"window": window})
+    if name.startswith("chunked") and name.endswith("-causal"):
+        chunk = int(name[len("chunked"):-len("-causal")])
+
+        def chunked_causal(b, h, q_idx, kv_idx):  # Llama 4's local layers: causal within chunks of `chunk` tokens
+            return (q_idx // chunk == kv_idx // chunk) & (q_idx >= kv_idx)
+
+        return Variant(name, mask=chunked_causal, note=f"chunks of {chunk}", params={"chunk": chunk})
+    if name.startswith("natten"):
+        kernel, width = int(name[len("natten"):] or 15), NATTEN_WIDTH
+        rows, half = max(1, n // width), kernel // 2
+
+        def natten(b, h, q_idx, kv_idx):  # a 2-D neighbourhood on a canvas `width` tokens wide, clamped at its edges
+            centre_x = (q_idx % width).clamp(half, width - 1 - half)
+            centre_y = (q_idx // width).clamp(half, rows - 1 - half)
+            return ((kv_idx % width - centre_x).abs() <= half) & ((kv_idx // width - centre_y).abs() <= half)
+
+        return Variant(name, mask=natten, note=f"{kernel} x {kernel} on {rows} x {width}", params={"kernel": kernel})
     if name in ("alibi", "alibi-causal"):
         def alibi(score, b, h, q_idx, kv_idx):
             return score + torch.exp2(-8.0 * (h + 1) / heads) * (kv_idx - q_idx)
@@ -175,7 +202,7 @@ def build_variant(name: str, n: int, heads: int, device) -> Variant:
             return (kv_idx < prefix) | (q_idx >= kv_idx)
 
         return Variant(name, mask=prefix_lm, note=f"prefix {prefix}", params={"prefix": prefix})
-    raise KeyError(f"unknown variant {name!r}; known: {', '.join(DEFAULT_VARIANTS)}")
+    raise KeyError(f"unknown variant {name!r}; known: {', '.join(DEFAULT_VARIANTS + MORE_VARIANTS)}")
 
 
 def count_pairs(mask, n_q: int, n_kv: int, device) -> int:
