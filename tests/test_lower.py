@@ -658,15 +658,16 @@ def test_window_spellings_and_chains_lower_to_bands(tmp_path):
         check([case for case, _ in cases], tmp_path, seed=seed, points=_edge_inputs(seed))
 
 
-def _hf_and_masks(*mask_functions):
-    """transformers' masking_utils.and_masks, as written there."""
-    def and_mask(batch_idx, head_idx, q_idx, kv_idx):
-        result = q_idx.new_ones((), dtype=torch.bool)
-        for mask in mask_functions:
-            result = result & mask(batch_idx, head_idx, q_idx, kv_idx).to(result.device)
-        return result
+def _hf_and_masks(*masks):
+    """A conjunction built the way transformers' and_masks builds it (what its tracing meets): a True scalar made
+    from q_idx, then each mask `&`-ed onto it in turn."""
+    def conjunction(b, h, q_idx, kv_idx):
+        visible = q_idx.new_ones((), dtype=torch.bool)
+        for mask in masks:
+            visible = visible & mask(b, h, q_idx, kv_idx)
+        return visible
 
-    return and_mask
+    return conjunction
 
 
 def test_window_spellings_emit_one_compare():
