@@ -142,6 +142,13 @@ def kv_tile_turns(block_mask, block_n: int, num_kv_tiles: int, batch: int, heads
                                                                      batch, heads, kv_heads, ctas))
 
 
+# The backward's turns are dealt in windows of this many: a window's tiles heaviest first across its turns, each
+# turn's to the least loaded CTAs. Wider windows balance better; the tiles that run together then come from more
+# heads, which share less in L2. 1 (each turn as the static walk has it) until wider ones are timed
+# (docs/scheduling.md).
+WINDOW_TURNS = 1
+
+
 def _kv_tile_turns(counts, full, block_mask, block_n: int, num_kv_tiles: int, batch: int, heads: int, kv_heads: int,
                    ctas: int) -> torch.Tensor:
     # A partial block evaluates the mask on every score and counts twice.
@@ -149,7 +156,19 @@ def _kv_tile_turns(counts, full, block_mask, block_n: int, num_kv_tiles: int, ba
     weights = weights.expand(batch, heads, -1).reshape(batch, kv_heads, heads // kv_heads, -1).sum(dim=2)
     tiles = (torch.arange(num_kv_tiles, device=weights.device) * block_n // block_mask.BLOCK_SIZE[1])
     cost = weights[:, :, tiles.clamp(max=weights.shape[-1] - 1)].reshape(-1) + 1  # the KV tile fastest
-    return _deal_turns(cost, ctas)
+    return deal_in_windows(cost, ctas, WINDOW_TURNS)
+
+
+def deal_in_windows(cost: torch.Tensor, ctas: int, window: int) -> torch.Tensor:
+    """_deal_turns over the tiles of each window of `window` turns reordered heaviest first (window 1: as they come),
+    as work tile indices into `cost`."""
+    if window == 1:
+        return _deal_turns(cost, ctas)
+    span = window * ctas
+    order = torch.cat([start + torch.argsort(cost[start:start + span], descending=True, stable=True)
+                       for start in range(0, cost.numel(), span)])
+    dealt = _deal_turns(cost[order], ctas)
+    return torch.where(dealt < 0, dealt, order.to(torch.int32)[dealt.clamp(min=0).long()])
 
 
 def _deal_turns(cost: torch.Tensor, ctas: int) -> torch.Tensor:
