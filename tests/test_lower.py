@@ -504,6 +504,53 @@ def _edge_inputs(seed: int) -> dict:
     return pts
 
 
+def _range_cases() -> list[tuple[Case, bool]]:
+    """(case, whether it lowers to fg_band): ranges `low <= x - y <= high` with constant ends and windows
+    `abs(d) <= c`, over tiles of 64 indices (NATTEN's and STA's shape) and plain differences, int32 and int64; and
+    those that must keep their compares (an end past what x - y - low can hold, a difference of unknown range)."""
+    tq, tk = bin_("floordiv", Q, c(64)), bin_("floordiv", KV, c(64))
+    dt = bin_("sub", tq, tk)
+    d = bin_("sub", Q, KV)
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    d64 = bin_("sub", Q64, KV64)
+    spec, base = _buffer("offsets", torch.int32, (8,), seed=62)
+    loaded = ir.load(spec, (bin_("mod", H, c(8)),))
+    forms = [
+        (bin_("and", bin_("ge", tk, bin_("sub", tq, c(1))), bin_("le", tk, bin_("add", tq, c(1)))), True),
+        (bin_("and", bin_("ge", dt, c(-2)), bin_("lt", dt, c(3))), True),
+        (bin_("and", bin_("gt", tk, bin_("add", tq, c(3))), bin_("le", tk, bin_("add", tq, c(1)))), True),  # empty
+        (bin_("and", bin_("ge", d64, c(-5, DType.INT64)), bin_("le", d64, c(7, DType.INT64))), True),
+        (bin_("and", bin_("ge", d, c(-5)), bin_("le", d, c(7))), False),  # d + 5 can overflow in int32
+        (bin_("and", bin_("ge", d, c(2)), bin_("le", d, c(9))), False),  # d - 2 can overflow in int32
+        (bin_("and", bin_("ge", d64, c(2, DType.INT64)), bin_("le", d64, c(2**63 - 1, DType.INT64))), True),  # the end
+        (bin_("le", un("abs", dt), c(1)), True),
+        (bin_("lt", un("abs", dt), c(3)), True),
+        (bin_("ge", c(2), un("abs", dt)), True),
+        (bin_("gt", c(1), un("abs", dt)), True),
+        (bin_("le", un("abs", dt), c(0)), True),
+        (bin_("lt", un("abs", dt), c(0)), False),  # never: left as written
+        (bin_("le", un("abs", d64), c(7, DType.INT64)), True),
+        (bin_("le", un("abs", d), c(7)), False),  # d + 7 can overflow in int32
+        (bin_("le", un("abs", loaded), c(3)), False),  # abs of the type's least value wraps: unknown range
+        (bin_("le", un("abs", bin_("sub", d, c(1))), c(0)), False),  # q - kv - 1 reaches it (q 0, kv 2**31 - 1)
+    ]
+    return [(Case("mask", expr, buffers={"offsets": base} if "offsets" in repr(expr) else {}), band)
+            for expr, band in forms]
+
+
+@needs_gxx
+def test_ranges_and_abs_windows_lower_to_one_compare(tmp_path):
+    """`low <= x - y <= high` with constant ends and `abs(d) <= c` are one unsigned compare where every
+    intermediate is exact, with the IR evaluator's answers at the index edges (differences around each end, indices
+    near 2**31 - 1)."""
+    cases = _range_cases()
+    for case, band in cases:
+        code = lower_mods(KernelSpec(kind="fwd", mask_expr=case.expr)).code
+        assert ("fg_band_" in code) == band, (ir.Node.__repr__(case.expr), code)
+    for seed in (0, 1):
+        check([case for case, _ in cases], tmp_path, points=_edge_inputs(seed))
+
+
 # ---------------------------------------------------------------- division of nonnegative integers
 
 
@@ -554,7 +601,7 @@ def test_division_ranges_reach_later_expressions():
 
     assert "((int)((unsigned)q_idx / 64u) * 64) <= kv_idx" in text("(q_idx // 64) * 64 <= kv_idx")
     tiles = text("abs(q_idx // 64 - kv_idx // 64) <= 1")
-    assert "fg_abs((int)((unsigned)q_idx / 64u) - (int)((unsigned)kv_idx / 64u)) <= 1" in tiles
+    assert "fg_band_le((int)((unsigned)q_idx / 64u) - (int)((unsigned)kv_idx / 64u) + 1, 2)" in tiles
     chunked = text("q_idx // 200 == kv_idx // 200 and q_idx >= kv_idx")
     assert "((int)((unsigned)q_idx / 200u) == (int)((unsigned)kv_idx / 200u)) & (q_idx >= kv_idx)" in chunked
     assert "(int)((unsigned)q_idx % 3u) + (int)((unsigned)kv_idx / 2u)" in text("q_idx % 3 + kv_idx // 2 < 7")
@@ -621,14 +668,14 @@ def _window_cases() -> list[tuple[Case, int]]:
     forms.append((bin_("or", bin_("and", shared, bin_("eq", H, c(0))), bin_("and", even_b, shared)), {}, 1))
     others = [bin_("ne", H, c(k)) for k in range(40)]  # a chain past _MAX_CONJUNCTS terms is written in parts
     forms.append((_and_masks(*others[:20], causal, bin_("gt", KV, bin_("sub", Q, c(17))), *others[20:]), {}, 1))
-    # near misses: a strict or shifted lower bound, the other difference, `or`, int32 against int64, a difference
-    # that can overflow, constants in the chain
+    # a strict or shifted lower bound beside a constant upper one is a range (one compare); near misses: the other
+    # difference, `or`, int32 against int64, a difference that can overflow, constants in the chain
     overlay = bin_("gt", KV, bin_("sub", Q, c(17)))
     spec, base = _buffer("offsets", torch.int32, (8,), seed=62, layout="sliced")
     far = ir.load(spec, (bin_("mod", H, c(8)),))
     forms += [
-        (_and_masks(bin_("lt", KV, Q), overlay), {}, 0),
-        (_and_masks(bin_("ge", bin_("sub", Q, c(1)), KV), overlay), {}, 0),
+        (_and_masks(bin_("lt", KV, Q), overlay), {}, 1),
+        (_and_masks(bin_("ge", bin_("sub", Q, c(1)), KV), overlay), {}, 1),
         (_and_masks(bin_("ge", KV, Q), overlay), {}, 0),
         (bin_("or", causal, overlay), {}, 0),
         (_and_masks(bin_("ge", Q, KV), bin_("lt", bin_("sub", Q64, KV64), c(17, DType.INT64))), {}, 0),

@@ -323,14 +323,15 @@ def _is_true(n: Node) -> bool:
     return n.op == "const" and n.dtype is DType.BOOL and n.attr is True
 
 
-def _difference_at_least_zero(form) -> tuple[Node, Node] | None:
-    """(x, y) where the compare `form` (from _Body._at_most_zero) reads `x - y >= 0` (`x >= y`, `0 <= x - y`, ...)."""
-    if form is None or form[1] != 0 or len(form[0]) != 2:
+def _difference_at_least(form) -> tuple[Node, Node, int] | None:
+    """(x, y, low) where the compare `form` (from _Body._at_most_zero) reads `x - y >= low` for a constant low
+    (`x >= y`, `0 <= x - y`, `x >= y - 1`, ...)."""
+    if form is None or len(form[0]) != 2:
         return None
     (a, ca), (b, cb) = form[0].values()
     if {ca, cb} != {1, -1}:
         return None
-    return (a, b) if ca == -1 else (b, a)
+    return (a, b, form[1]) if ca == -1 else (b, a, form[1])
 
 
 _MAX_INLINE = 240  # characters of C an expression may grow to before it is named
@@ -475,6 +476,10 @@ class _Body:
             return _call(self._helper(_WRAPPING[op], "fg_wrap"), a)
         if op == "and":
             return self._conjunction(n)
+        if op in ("lt", "le", "gt", "ge") and not is_float:
+            window = self._abs_window(n)
+            if window is not None:
+                return window
         if op in _INFIX:
             return f"({a[0]} {_INFIX[op]} {a[1]})"
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
@@ -499,14 +504,15 @@ class _Body:
 
     def _conjunction(self, n: Node) -> str:
         """The terms of a conjunction `&`-ed (no short circuit: branch-free masks), with each pair of bounds
-        `x - y >= 0` and `x - y < c` (or `<= c`, in any of the spellings `_at_most_zero` reads) over a difference
-        that cannot overflow written as one unsigned compare (fg_band) where the first of the two stood."""
+        `x - y >= low` and `x - y < c` (or `<= c`, in any of the spellings `_at_most_zero` reads) over a difference
+        that cannot overflow written as one unsigned compare (fg_band) where the first of the two stood: low 0 and
+        any bound, or a constant low and a constant bound (a range, such as a window of tiles `|x - y| <= 1`)."""
         terms = self.conjuncts[n.digest]
         forms = [self._at_most_zero(t) for t in terms]
         bands: dict[int, str] = {}
         paired: set[int] = set()
         for i, lower in enumerate(forms):
-            xy = _difference_at_least_zero(lower)
+            xy = _difference_at_least(lower)
             if xy is None or i in paired:
                 continue
             for j, upper in enumerate(forms):
@@ -560,20 +566,30 @@ class _Body:
         strict = n.op in ("lt", "gt")
         return terms, left[1] - right[1] + strict, strict
 
-    def _band(self, x: Node, y: Node, upper) -> str | None:
-        """fg_band_lt / fg_band_le(x - y, c) for the bound `upper` (from _at_most_zero) where it reads
-        `x - y <= c` and both x - y and c are computed exactly in the compare's type; else None."""
+    def _band(self, x: Node, y: Node, low: int, upper) -> str | None:
+        """fg_band_lt / fg_band_le(x - y, c) for `x - y >= 0` and the bound `upper` (from _at_most_zero) where it
+        reads `x - y <= c` and both x - y and c are computed exactly in the compare's type; for `x - y >= low` with
+        another constant low, fg_band_le(x - y - low, u - low) where the bound is a constant u and x - y - low is
+        exact too; else None."""
         terms, k, strict = upper
         dtype = x.dtype
         if terms.get(x.digest, (None, 0))[1] != 1 or terms.get(y.digest, (None, 0))[1] != -1:
             return None
         rest = [terms[key] for key in terms if key not in (x.digest, y.digest)]
         rx, ry = self.ranges.get(x.digest), self.ranges.get(y.digest)
-        if len(rest) > 1 or rx is None or ry is None or not _fits(rx[0] - ry[1], rx[1] - ry[0], dtype):
+        if len(rest) > 1 or rx is None or ry is None or not _fits(rx[0] - ry[1] - low, rx[1] - ry[0] - low, dtype):
             return None
         sub = Node("sub", dtype, (x, y))
         d = self.expr.get(sub.digest) if self.ranges.get(sub.digest) is not None else None
         d = d or f"({self.expr[x.digest]} - {self.expr[y.digest]})"
+        if low != 0:
+            if rest or not _fits(low, low, dtype):
+                return None
+            # low <= x - y <= -k, that is 0 <= x - y - low <= -k - low; past the type's end the bound is its end
+            # (x - y - low lies in the type), below -1 it is -1 (no value)
+            bound = min(max(-k - low, -1), INT_RANGE[dtype][1])
+            shifted = f"({_unparen(d)} {'+' if low < 0 else '-'} {int_literal(abs(low), dtype)})"
+            return _call(self._helper("fg_band_le", "fg_band"), [shifted, int_literal(bound, dtype)])
         # x - y + rest + k <= 0, that is x - y <= -rest - k
         if not rest:  # a constant bound: x - y lies in the type, so one past either end is as good as the end
             lo, hi = INT_RANGE[dtype]
@@ -600,6 +616,22 @@ class _Body:
                     c = f"({int_literal(offset, dtype)} - {self.expr[t.digest]})"
                 kind = "lt"
         return _call(self._helper(f"fg_band_{kind}", "fg_band"), [d, c])
+
+    def _abs_window(self, n: Node) -> str | None:
+        """`abs(d) <= c` (or `< c`, `c >= abs(d)`, `c > abs(d)`) for a constant c as one unsigned compare,
+        fg_band_le(d + c, 2 c), where d's range excludes the type's minimum (whose abs wraps to itself) and d + c and
+        2 c are exact; else None."""
+        small, big = n.args if n.op in ("lt", "le") else n.args[::-1]
+        if small.op != "abs" or big.op != "const" or small.dtype is not big.dtype:
+            return None
+        d, dtype = small.args[0], small.dtype
+        c = int(big.attr) - (n.op in ("lt", "gt"))
+        rd = self.ranges.get(d.digest)
+        if c < 0 or rd is None or rd[0] == INT_RANGE[dtype][0] or not _fits(rd[0] + c, rd[1] + c, dtype) \
+                or not _fits(2 * c, 2 * c, dtype):
+            return None
+        shifted = f"({_unparen(self.expr[d.digest])} + {int_literal(c, dtype)})" if c else self.expr[d.digest]
+        return _call(self._helper("fg_band_le", "fg_band"), [shifted, int_literal(2 * c, dtype)])
 
     def _cast(self, src: DType, dst: DType, x: str) -> str:
         if dst is DType.BOOL:
