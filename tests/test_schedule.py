@@ -188,8 +188,8 @@ def test_backward_turns_with_gqa_per_head_masks_and_a_short_last_round():
         assert _check_turns(bm, 128, 2, 4, kv_heads, ctas) < _static_imbalance(bm, 128, 2, 4, kv_heads, ctas)
     # 72 tiles over 40 CTAs, two turns: 8 CTAs end at a -1
     assert _check_turns(bm, 128, 2, 4, 4, 40) <= _static_imbalance(bm, 128, 2, 4, 4, 40)
-    last = kv_tile_turns(bm, 128, 9, 2, 4, 4, 40)[40:].tolist()  # (which 32 tiles: _check_turns)
-    assert last.count(-1) == 8 and len(set(last)) == 33
+    last = kv_tile_turns(bm, 128, 9, 2, 4, 4, 40)[40:].tolist()
+    assert last.count(-1) == 8 and sorted(x for x in last if x >= 0) == list(range(40, 72))
 
 
 def test_backward_turns_of_documents_and_their_cache():
