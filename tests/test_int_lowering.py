@@ -86,7 +86,7 @@ def test_plain_operators_where_no_overflow_is_possible():
     assert "(-(q_idx - 5)) < kv_idx" in mask_fn("-(q_idx - 5) < kv_idx")
     assert "fg_neg(fg_sub(kv_idx, fg_mul(q_idx, 3)))" in mask_fn("-(kv_idx - q_idx * 3) < 0")
     assert "fg_float_to_int(" in mask_fn("(q_idx * 1.5).int() < kv_idx")
-    assert "(q_idx % 7)" in mask_fn("torch.fmod(q_idx, 7) < kv_idx")
+    assert "((q_idx - kv_idx) % 7)" in mask_fn("torch.fmod(q_idx - kv_idx, 7) < kv_idx")
 
 
 def _valid_programs(draw, count):

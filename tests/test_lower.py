@@ -203,8 +203,8 @@ def run_on_host(cases: list[Case], tmp_path, seed: int = 0, deterministic: bool 
     return results
 
 
-def check(cases, tmp_path, seed=0):
-    for case, (got, ref, _, _) in zip(cases, run_on_host(cases, tmp_path, seed)):
+def check(cases, tmp_path, seed=0, points=None):
+    for case, (got, ref, _, _) in zip(cases, run_on_host(cases, tmp_path, seed, points=points)):
         if case.kind == "mask" or case.exact:
             torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"{case.kind}_mod {ir.Node.__repr__(case.expr)}: {m}")
@@ -480,6 +480,271 @@ def test_band_masks_lower_to_one_compare(tmp_path):
     check([case for case, _ in cases], tmp_path)
 
 
+# ---------------------------------------------------------------- inputs at the edges of index arithmetic
+
+INT_MAX = 2**31 - 1
+
+
+def _edge_inputs(seed: int) -> dict:
+    """N_POINTS inputs at the edges of index arithmetic: q_idx - kv_idx around 0, small windows and 128 and 300,
+    queries and keys at 0 and near 2**31 - 1 (where q_idx - w and q_idx + 1 overflow), and a few heads near it."""
+    pts = _inputs(seed)
+    pairs = []
+    for q in (0, 1, 17, 128, 300, 2**30, INT_MAX - 300, INT_MAX - 18, INT_MAX - 1, INT_MAX):
+        for off in (-300, -18, -2, -1, 0, 1, 2, 16, 17, 18, 127, 128, 129, 299, 300):
+            if 0 <= q - off <= INT_MAX:
+                pairs.append((q, q - off))
+        pairs += [(q, 0), (q, INT_MAX)]
+    rng = random.Random(seed)
+    while len(pairs) < N_POINTS:
+        pairs.append((rng.randrange(400), rng.randrange(400)))
+    pts["q_idx"] = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
+    pts["kv_idx"] = torch.tensor([kv for _, kv in pairs], dtype=torch.int32)
+    pts["h"][-24:] = torch.arange(INT_MAX - 23, INT_MAX + 1, dtype=torch.int64).to(torch.int32)
+    return pts
+
+
+def _range_cases() -> list[tuple[Case, bool]]:
+    """(case, whether it lowers to fg_band): ranges `low <= x - y <= high` with constant ends and windows
+    `abs(d) <= c`, over tiles of 64 indices (NATTEN's and STA's shape) and plain differences, int32 and int64; and
+    those that must keep their compares (an end past what x - y - low can hold, a difference of unknown range)."""
+    tq, tk = bin_("floordiv", Q, c(64)), bin_("floordiv", KV, c(64))
+    dt = bin_("sub", tq, tk)
+    d = bin_("sub", Q, KV)
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    d64 = bin_("sub", Q64, KV64)
+    spec, base = _buffer("offsets", torch.int32, (8,), seed=62)
+    loaded = ir.load(spec, (bin_("mod", H, c(8)),))
+    forms = [
+        (bin_("and", bin_("ge", tk, bin_("sub", tq, c(1))), bin_("le", tk, bin_("add", tq, c(1)))), True),
+        (bin_("and", bin_("ge", dt, c(-2)), bin_("lt", dt, c(3))), True),
+        (bin_("and", bin_("gt", tk, bin_("add", tq, c(3))), bin_("le", tk, bin_("add", tq, c(1)))), True),  # empty
+        (bin_("and", bin_("ge", d64, c(-5, DType.INT64)), bin_("le", d64, c(7, DType.INT64))), True),
+        (bin_("and", bin_("ge", d, c(-5)), bin_("le", d, c(7))), False),  # d + 5 can overflow in int32
+        (bin_("and", bin_("ge", d, c(2)), bin_("le", d, c(9))), False),  # d - 2 can overflow in int32
+        (bin_("and", bin_("ge", d64, c(2, DType.INT64)), bin_("le", d64, c(2**63 - 1, DType.INT64))), True),  # the end
+        (bin_("le", un("abs", dt), c(1)), True),
+        (bin_("lt", un("abs", dt), c(3)), True),
+        (bin_("ge", c(2), un("abs", dt)), True),
+        (bin_("gt", c(1), un("abs", dt)), True),
+        (bin_("le", un("abs", dt), c(0)), True),
+        (bin_("lt", un("abs", dt), c(0)), False),  # never: left as written
+        (bin_("le", un("abs", d64), c(7, DType.INT64)), True),
+        (bin_("le", un("abs", d), c(7)), False),  # d + 7 can overflow in int32
+        (bin_("le", un("abs", loaded), c(3)), False),  # abs of the type's least value wraps: unknown range
+        (bin_("le", un("abs", bin_("sub", d, c(1))), c(0)), False),  # q - kv - 1 reaches it (q 0, kv 2**31 - 1)
+    ]
+    return [(Case("mask", expr, buffers={"offsets": base} if "offsets" in repr(expr) else {}), band)
+            for expr, band in forms]
+
+
+@needs_gxx
+def test_ranges_and_abs_windows_lower_to_one_compare(tmp_path):
+    """`low <= x - y <= high` with constant ends and `abs(d) <= c` are one unsigned compare where every
+    intermediate is exact, with the IR evaluator's answers at the index edges (differences around each end, indices
+    near 2**31 - 1)."""
+    cases = _range_cases()
+    for case, band in cases:
+        code = lower_mods(KernelSpec(kind="fwd", mask_expr=case.expr)).code
+        assert ("fg_band_" in code) == band, (ir.Node.__repr__(case.expr), code)
+    for seed in (0, 1):
+        check([case for case, _ in cases], tmp_path, points=_edge_inputs(seed))
+
+
+# ---------------------------------------------------------------- division of nonnegative integers
+
+
+def _division_cases() -> list[tuple[ir.Node, bool]]:
+    """(integer expression, whether its division is written unsigned): `//`, `%` and fmod of a dividend >= 0 by a
+    divisor >= 1, constant or not, int32 and int64; and near misses that keep the floored helpers."""
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    small = bin_("add", bin_("mod", H, c(4)), c(1))  # 1..4, not a constant
+    wide = bin_("add", bin_("mul", Q64, c(2**32, DType.INT64)), KV64)  # up to 2**63 - 1
+    some_zero = ir.where(bin_("eq", bin_("mod", H, c(4)), c(0)), c(-1), bin_("mod", H, c(4)))  # -1..3: 0 in the range
+    out = []
+    for op in ("floordiv", "mod", "fmod"):
+        out += [
+            (bin_(op, Q, c(128)), True), (bin_(op, KV, c(200)), True), (bin_(op, Q, c(INT_MAX)), True),
+            (bin_(op, KV, small), True), (bin_(op, H, c(7)), True),
+            (bin_(op, wide, c(3_000_000_007, DType.INT64)), True), (bin_(op, wide, ir.cast(small, DType.INT64)), True),
+            (bin_(op, Q64, c(2**40, DType.INT64)), True),
+            # may be negative, a negative or unknown divisor, a range that holds 0, a dividend that wraps
+            (bin_(op, bin_("sub", Q, KV), c(128)), False), (bin_(op, Q, c(-7)), False),
+            (bin_(op, Q, ir.param("p", DType.INT32)), False), (bin_(op, KV, some_zero), False),
+            (bin_(op, bin_("add", Q, c(5)), c(3)), False),
+        ]
+    return out
+
+
+@needs_gxx
+def test_nonnegative_division_lowers_to_unsigned(tmp_path):
+    """`//`, `%` and fmod where the dividend's range is >= 0 and the divisor's >= 1 are C's unsigned division,
+    cast back to the signed type, with the evaluator's answers at indices up to 2**31 - 1 and int64 dividends up to
+    2**63 - 1 (low 20 bits and magnitude both compared); near misses keep the helpers."""
+    cases = []
+    for expr, unsigned in _division_cases():
+        fn = lower_mods(KernelSpec(kind="fwd", mask_expr=bin_("ne", expr, c(-1, expr.dtype)))).mask_mod_fn
+        result = fn.split("return ", 1)[1]
+        assert result.startswith(("(int)((unsigned)", "(long long)((unsigned long long)")) == unsigned, fn
+        params = {name: 5 for name in ir.params_of(expr)}
+        low = bin_("bitand", expr, c(0xFFFFF, expr.dtype))
+        cases += [Case("score", ir.cast(e, DType.FLOAT32), params=params) for e in (low, expr)]
+    for seed in (0, 1):
+        check(cases, tmp_path, seed=seed, points=_edge_inputs(seed))
+
+
+def test_division_ranges_reach_later_expressions():
+    """A nonnegative quotient and remainder have exact ranges, so the arithmetic on them keeps C's operators:
+    NATTEN-like tiles `(q_idx // T) * T`, `abs(q_idx // T - kv_idx // T)`, chunked causal."""
+    def text(source):
+        return lower_mods(KernelSpec(kind="fwd", mask_expr=flexgen.mask_mod(source).expr)).mask_mod_fn
+
+    assert "((int)((unsigned)q_idx / 64u) * 64) <= kv_idx" in text("(q_idx // 64) * 64 <= kv_idx")
+    tiles = text("abs(q_idx // 64 - kv_idx // 64) <= 1")
+    assert "fg_band_le((int)((unsigned)q_idx / 64u) - (int)((unsigned)kv_idx / 64u) + 1, 2)" in tiles
+    chunked = text("q_idx // 200 == kv_idx // 200 and q_idx >= kv_idx")
+    assert "((int)((unsigned)q_idx / 200u) == (int)((unsigned)kv_idx / 200u)) & (q_idx >= kv_idx)" in chunked
+    assert "(int)((unsigned)q_idx % 3u) + (int)((unsigned)kv_idx / 2u)" in text("q_idx % 3 + kv_idx // 2 < 7")
+    sixty_four = text("(q_idx.long() * 4294967296 + kv_idx) // 3 > 5")
+    assert "(long long)((unsigned long long)" in sixty_four and "fg_floordiv" not in sixty_four
+    assert "fg_floordiv(q_idx - kv_idx, 64)" in text("(q_idx - kv_idx) // 64 < 2")
+
+
+# ---------------------------------------------------------------- sliding windows in every spelling, and chains
+
+
+def _and_masks(*terms: ir.Node) -> ir.Node:
+    """A conjunction as transformers' and_masks traces it: True & a & b & ..."""
+    out = c(True)
+    for term in terms:
+        out = bin_("and", out, term)
+    return out
+
+
+def _window_cases() -> list[tuple[Case, int]]:
+    """(case, how many fg_band compares it lowers to): sliding windows spelled as transformers
+    (`kv_idx > q_idx - w` and `kv_idx <= q_idx` in and_masks' chain from True), `q_idx - w < kv_idx`,
+    `kv_idx >= q_idx - w + 1` and inside longer chains, with windows negative, zero, small and at the type's largest,
+    int32 and int64; and near misses, which keep the general form (among them each spelling where q_idx - w or
+    q_idx - w + 1 can overflow: a negative or run-time window)."""
+    Q64, KV64 = ir.cast(Q, DType.INT64), ir.cast(KV, DType.INT64)
+    causal, causal64 = bin_("le", KV, Q), bin_("le", KV64, Q64)
+    even_b = bin_("eq", bin_("mod", B, c(2)), c(0))
+    forms: list[tuple[ir.Node, dict, int]] = []
+    for w in (-7, -1, 0, 1, 17, 128, 299, INT_MAX):
+        W, fits = c(w), int(w >= 0)  # q_idx - w cannot overflow
+        overlay = bin_("gt", KV, bin_("sub", Q, W))  # transformers' sliding_window_overlay
+        forms += [
+            (_and_masks(overlay, causal), {}, fits),  # sliding_window_causal_mask_function
+            (_and_masks(causal, overlay), {}, fits),
+            (bin_("and", bin_("lt", bin_("sub", Q, W), KV), bin_("ge", Q, KV)), {}, fits),
+            (bin_("and", bin_("ge", KV, bin_("add", bin_("sub", Q, W), c(1))), causal), {}, int(w >= 1)),
+            (bin_("and", causal, bin_("ge", KV, bin_("sub", Q, W))), {}, fits),  # <= w
+            (_and_masks(bin_("ge", Q, KV), even_b, bin_("lt", bin_("sub", Q, KV), W)), {}, 1),
+            (_and_masks(even_b, bin_("gt", KV, bin_("sub", Q, W)), bin_("ne", H, c(3)), causal), {}, fits),
+            # int64: q_idx - w fits for every int32 window, and for 2**40
+            (_and_masks(causal64, bin_("gt", KV64, bin_("sub", Q64, c(w, DType.INT64)))), {}, 1),
+            (_and_masks(causal64, bin_("gt", KV64, bin_("sub", Q64, c(w * 2**9 + 2**40, DType.INT64)))), {}, 1),
+        ]
+    w, w64 = ir.param("w", DType.INT32), ir.param("w64", DType.INT64)
+    for value in (-(2**31), -7, 0, 17, INT_MAX):
+        forms += [
+            (_and_masks(causal, bin_("lt", bin_("sub", Q, KV), w)), {"w": value}, 1),
+            (_and_masks(bin_("gt", KV, bin_("sub", Q, w)), causal), {"w": value}, 0),  # q_idx - w may overflow
+            (_and_masks(causal64, bin_("gt", KV64, bin_("sub", Q64, w64))), {"w64": value * 2**32}, 0),
+        ]
+    t = bin_("mod", H, c(8))  # a bound that is an expression, moved across: q_idx - kv_idx < t + 3, < 100 - t
+    forms += [
+        (bin_("and", causal, bin_("gt", KV, bin_("sub", bin_("sub", Q, t), c(3)))), {}, 1),
+        (bin_("and", causal, bin_("gt", bin_("sub", KV, t), bin_("sub", Q, c(100)))), {}, 1),
+        (bin_("and", causal, bin_("lt", bin_("sub", Q, t), bin_("add", KV, c(-(2**31))))), {}, 1),  # < t - 2**31
+        (bin_("and", causal, bin_("ge", KV, bin_("add", bin_("sub", Q, t), c(1)))), {}, 0),  # q - t + 1 may overflow
+    ]
+    # two bands in one chain (a 2-D window over rows of 8), and a conjunction used twice
+    rq, rkv, cq, ckv = bin_("floordiv", Q, c(8)), bin_("floordiv", KV, c(8)), bin_("mod", Q, c(8)), bin_("mod", KV, c(8))
+    forms.append((_and_masks(bin_("ge", rq, rkv), bin_("le", ckv, cq), bin_("lt", bin_("sub", rq, rkv), c(3)),
+                             bin_("gt", ckv, bin_("sub", cq, c(2)))), {}, 2))
+    shared = _and_masks(causal, bin_("gt", KV, bin_("sub", Q, c(17))))
+    forms.append((bin_("or", bin_("and", shared, bin_("eq", H, c(0))), bin_("and", even_b, shared)), {}, 1))
+    others = [bin_("ne", H, c(k)) for k in range(40)]  # a chain past _MAX_CONJUNCTS terms is written in parts
+    forms.append((_and_masks(*others[:20], causal, bin_("gt", KV, bin_("sub", Q, c(17))), *others[20:]), {}, 1))
+    # a strict or shifted lower bound beside a constant upper one is a range (one compare); near misses: the other
+    # difference, `or`, int32 against int64, a difference that can overflow, constants in the chain
+    overlay = bin_("gt", KV, bin_("sub", Q, c(17)))
+    spec, base = _buffer("offsets", torch.int32, (8,), seed=62, layout="sliced")
+    far = ir.load(spec, (bin_("mod", H, c(8)),))
+    forms += [
+        (_and_masks(bin_("lt", KV, Q), overlay), {}, 1),
+        (_and_masks(bin_("ge", bin_("sub", Q, c(1)), KV), overlay), {}, 1),
+        (_and_masks(bin_("ge", KV, Q), overlay), {}, 0),
+        (bin_("or", causal, overlay), {}, 0),
+        (_and_masks(bin_("ge", Q, KV), bin_("lt", bin_("sub", Q64, KV64), c(17, DType.INT64))), {}, 0),
+        (_and_masks(bin_("le", KV, far), bin_("gt", KV, bin_("sub", far, c(17)))), {}, 0),
+        (_and_masks(c(True), overlay, c(True), causal), {}, 1),
+        (bin_("and", bin_("and", overlay, c(False)), causal), {}, 1),
+        (bin_("and", c(True), c(True)), {}, 0),
+    ]
+    cases = []
+    for expr, params, bands in forms:
+        buffers = {"offsets": base} if "offsets" in repr(expr) else {}
+        cases.append((Case("mask", expr, params=params, buffers=buffers), bands))
+    return cases
+
+
+@needs_gxx
+def test_window_spellings_and_chains_lower_to_bands(tmp_path):
+    """Sliding windows in the spellings of transformers, attention-gym and FlexAttention's docs become one unsigned
+    compare each wherever the rewrite is exact, inside chains of other terms too; every case gives the IR
+    evaluator's answers at the edges (q_idx - kv_idx around each window, indices near 2**31 - 1)."""
+    cases = _window_cases()
+    for case, bands in cases:
+        fn = lower_mods(KernelSpec(kind="fwd", mask_expr=case.expr)).mask_mod_fn
+        body = fn.split("{", 1)[1]
+        assert body.count("fg_band_") == bands, (ir.Node.__repr__(case.expr), fn)
+    for seed in (0, 1):
+        check([case for case, _ in cases], tmp_path, seed=seed, points=_edge_inputs(seed))
+
+
+def _hf_and_masks(*masks):
+    """A conjunction built the way transformers' and_masks builds it (what its tracing meets): a True scalar made
+    from q_idx, then each mask `&`-ed onto it in turn."""
+    def conjunction(b, h, q_idx, kv_idx):
+        visible = q_idx.new_ones((), dtype=torch.bool)
+        for mask in masks:
+            visible = visible & mask(b, h, q_idx, kv_idx)
+        return visible
+
+    return conjunction
+
+
+def test_window_spellings_emit_one_compare():
+    """The emitted mask_mod of traced sliding windows: transformers' sliding_window_causal_mask_function (its
+    overlay `kv_idx > q_idx - sliding_window` and causal_mask_function in its and_masks), torch's and flexgen's
+    and_masks, attention-gym's window; the general form where the window is a run-time parameter of that spelling."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    def text(fn, **bindings):
+        return lower_mods(KernelSpec(kind="fwd", mask_expr=flexgen.mask_mod(fn, **bindings).expr)).mask_mod_fn
+
+    def overlay(b, h, q_idx, kv_idx):
+        return kv_idx > q_idx - 128
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    for fn in (_hf_and_masks(overlay, causal), _hf_and_masks(causal, overlay), torch_flex.and_masks(causal, overlay),
+               flexgen.and_masks(flexgen.variants.causal, overlay),
+               lambda b, h, q, kv: (q - 128 < kv) & (q >= kv), lambda b, h, q, kv: (q >= kv) & (q - kv < 128)):
+        assert "    return fg_band_lt(q_idx - kv_idx, 128);\n" in text(fn)
+    assert "return fg_band_le(q_idx - kv_idx, 127);" in text(lambda b, h, q, kv: (kv >= q - 128 + 1) & (kv <= q))
+    assert "return fg_band_le(q_idx - kv_idx, 16);" in text(lambda b, h, q, kv: (q >= kv) & (q - kv <= 16))  # gym's
+    chain = text(_hf_and_masks(causal, lambda b, h, q, kv: b % 2 == 0, overlay))
+    assert "return fg_band_lt(q_idx - kv_idx, 128) & ((int)((unsigned)b % 2u) == 0);" in chain
+    assert "fg_band_lt(q_idx - kv_idx, args.window)" in text(flexgen.variants.sliding_window(64))
+    general = text("kv_idx > q_idx - w and kv_idx <= q_idx", w=64)
+    assert "return (kv_idx > fg_sub(q_idx, args.w)) & (kv_idx <= q_idx);" in general
+
+
 @needs_gxx
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_expressions_match_evaluator(tmp_path, seed):
@@ -583,10 +848,11 @@ def test_text_is_readable():
 
 
 def test_signatures_and_helpers():
-    low = lower_mods(_spec(score=bin_("floordiv", Q, c(3)), mask=bin_("eq", bin_("mod", Q, c(2)), c(0))))
+    d = bin_("sub", Q, KV)  # may be negative: the floored helpers
+    low = lower_mods(_spec(score=bin_("floordiv", d, c(3)), mask=bin_("eq", bin_("mod", d, c(2)), c(0))))
     assert "__device__ __forceinline__ float score_mod(float score, int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.score_mod_fn
     assert "__device__ __forceinline__ bool mask_mod(int b, int h, int q_idx, int kv_idx, const ModArgs& args)" in low.mask_mod_fn
-    assert "return (float)fg_floordiv(q_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
+    assert "return (float)fg_floordiv(q_idx - kv_idx, 3);" in low.score_mod_fn  # int score_mod cast to float
     assert set(low.helpers) == {"fg_floordiv", "fg_mod"}
     assert low.mod_args_decl.index("fg_floordiv") < low.mod_args_decl.index("struct ModArgs")
     assert "#include" not in low.code
@@ -828,7 +1094,7 @@ def test_new_ops_lower_to_the_expected_functions():
     text = lambda e, **kw: lower_mods(_spec(score=e, **kw)).code  # noqa: E731
     assert "rintf(score)" in text(un("round", S))  # the default rounding mode: ties to even
     assert "fmodf(score, 1.5f)" in text(bin_("fmod", S, c(1.5)))
-    assert "(q_idx % 7)" in text(ir.cast(bin_("fmod", Q, c(7)), DType.FLOAT32))
+    assert "((q_idx - kv_idx) % 7)" in text(ir.cast(bin_("fmod", bin_("sub", Q, KV), c(7)), DType.FLOAT32))
     assert "log1pf(" in text(un("log1p", S)) and "atanf(" in text(un("atan", S))
     low = lower_mods(_spec(score=bin_("add", un("round_to_fp16", S), un("round_to_bf16", un("sign", S)))))
     assert {"fg_round_fp16", "fg_round_bf16", "fg_sign"} <= set(low.helpers)

@@ -10,7 +10,8 @@
                                                    // (deterministic mode: other slots, same signature)
 
 Semantics follow flexgen.dsl.evaluate exactly: integer `//` and `%` floor like
-Python (small helper functions), floats are float32, int32/int64 are int/long long.
+Python (small helper functions; C's unsigned `/` and `%` where the dividend's range is >= 0 and the
+divisor's >= 1, where flooring and truncating agree), floats are float32, int32/int64 are int/long long.
 Integer `+ - *`, negation and abs wrap around like torch's int32/int64 tensors: where the
 operands' value ranges (indices are in [0, 2**31 - 1]) show that no overflow can happen the
 plain C operator is written, elsewhere `fg_add(a, b)` etc., which compute in unsigned
@@ -285,37 +286,52 @@ def _int_range(n: Node, args: list[tuple[int, int] | None]) -> tuple[int, int] |
                 corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
                 lo, hi = min(corners), max(corners)
         return (lo, hi) if _fits(lo, hi, n.dtype) else None
-    if op == "mod" and n.args[1].op == "const" and n.args[1].attr > 0:
-        return (0, n.args[1].attr - 1)
+    if op in ("floordiv", "mod", "fmod"):
+        return _division_range(op, args[0], args[1], n.dtype)
     if op == "sign":
         return (-1, 1)
     return None
 
 
-def _upper_bound(n: Node) -> tuple[Node, Node, str] | None:
-    """(d, c, "lt" or "le") where n is `d < c` or `d <= c` (or `c > d`, `c >= d`) over an integer difference d."""
-    if n.op in ("lt", "le"):
-        d, c, kind = n.args[0], n.args[1], n.op
-    elif n.op in ("gt", "ge"):
-        d, c, kind = n.args[1], n.args[0], "lt" if n.op == "gt" else "le"
-    else:
+def _division_range(op: str, a: tuple[int, int] | None, b: tuple[int, int] | None,
+                    dtype: DType) -> tuple[int, int] | None:
+    """Bounds of integer `//`, `%` (floored, like torch) or fmod (truncated) over divisors that exclude 0. A dividend
+    of unknown range is any value of its type: the helpers take the wrapped value, and only INT_MIN // -1 leaves the
+    type (then None)."""
+    if b is None or b[0] <= 0 <= b[1]:
         return None
-    if d.op != "sub" or not d.dtype.is_int or c.dtype is not d.dtype:
-        return None
-    return d, c, kind
+    (alo, ahi), (blo, bhi) = a if a is not None else INT_RANGE[dtype], b
+    if op == "floordiv":  # monotone in each operand on either side of 0: the extremes are at the corners
+        corners = (alo // blo, alo // bhi, ahi // blo, ahi // bhi)
+        lo, hi = min(corners), max(corners)
+        return (lo, hi) if _fits(lo, hi, dtype) else None
+    if op == "mod":  # the divisor's sign, below its magnitude; a dividend already in [0, b) is the result
+        if blo > 0:
+            return (alo, ahi) if 0 <= alo and ahi < blo else (0, bhi - 1 if alo < 0 else min(ahi, bhi - 1))
+        return (alo, ahi) if bhi < alo and ahi <= 0 else (blo + 1 if ahi > 0 else max(alo, blo + 1), 0)
+    top = max(abs(blo), abs(bhi)) - 1  # fmod: the dividend's sign, below the divisor's magnitude
+    return (0 if alo >= 0 else max(alo, -top), 0 if ahi <= 0 else min(ahi, top))
 
 
-def _nonnegative(n: Node, d: Node) -> bool:
-    """Whether n is `x >= y` (or `y <= x`) for d = x - y, or `d >= 0` (`0 <= d`)."""
-    if n.op == "ge":
-        big, small = n.args
-    elif n.op == "le":
-        small, big = n.args
-    else:
-        return False
-    if big.digest == d.digest:
-        return small.op == "const" and small.attr == 0
-    return (big.digest, small.digest) == (d.args[0].digest, d.args[1].digest)
+# A conjunction `a and b and ...` is emitted as one `&` over its terms, up to this many (a longer chain is split
+# into named parts, as long expressions are), so that two bounds of one difference pair up wherever they sit.
+_MAX_CONJUNCTS = 32
+_LINEAR_ATOMS = 4  # a compare's sides, as a sum of terms: at most this many distinct terms (a band needs three)
+
+
+def _is_true(n: Node) -> bool:
+    return n.op == "const" and n.dtype is DType.BOOL and n.attr is True
+
+
+def _difference_at_least(form) -> tuple[Node, Node, int] | None:
+    """(x, y, low) where the compare `form` (from _Body._at_most_zero) reads `x - y >= low` for a constant low
+    (`x >= y`, `0 <= x - y`, `x >= y - 1`, ...)."""
+    if form is None or len(form[0]) != 2:
+        return None
+    (a, ca), (b, cb) = form[0].values()
+    if {ca, cb} != {1, -1}:
+        return None
+    return (a, b, form[1]) if ca == -1 else (b, a, form[1])
 
 
 _MAX_INLINE = 240  # characters of C an expression may grow to before it is named
@@ -354,11 +370,29 @@ class _Body:
                 else:
                     stack.append((node, True))
                     stack.extend((a, False) for a in reversed(node.args) if a.digest not in seen)
+        # Conjunctions: an `and` used once by another `and` is written as part of it, in one flat list of terms.
+        self.conjuncts: dict[str, list[Node]] = {}
+        absorbed: set[str] = set()
+        for node in order:
+            if node.op != "and":
+                continue
+            terms: list[Node] = []
+            for a in node.args:
+                inner = self.conjuncts.get(a.digest)
+                if inner is not None and uses[a.digest] == 1 and len(terms) + len(inner) + 1 <= _MAX_CONJUNCTS:
+                    absorbed.add(a.digest)
+                    terms += inner
+                elif not _is_true(a):  # and_masks' chains start from True
+                    terms.append(a)
+            self.conjuncts[node.digest] = terms
         for node in order:
             if node.dtype.is_int:
                 self.ranges[node.digest] = _int_range(node, [self.ranges.get(a.digest) for a in node.args])
-            text = self._format(node, [self.expr[a.digest] for a in node.args])
             notes[node.digest] = format_node(node, [notes[a.digest] for a in node.args], 80)
+            if node.digest in absorbed:  # its terms are in its user's text
+                self.expr[node.digest] = ""
+                continue
+            text = self._format(node, [self.expr[a.digest] for a in node.args])
             # shared nodes get a temporary, and so does a long expression (keeps each line readable
             # and the work linear: a 1000-deep chain is not one 1000-deep C expression)
             if (uses[node.digest] > 1 or len(text) > _MAX_INLINE) and node.op not in ("input", "const", "param"):
@@ -422,6 +456,8 @@ class _Body:
             return f"({a[0]} * {a[1]})" if exact else _call(self._helper("fg_mul", "fg_wrap"), a)
         if op == "div":
             return _call(self._helper("fg_div"), a)
+        if op in ("floordiv", "mod", "fmod") and not is_float and self._nonnegative_quotient(n):
+            return self._unsigned_division(n, a)
         if op == "floordiv":
             return f"floorf({a[0]} / {a[1]})" if is_float else _call(self._helper("fg_floordiv"), a)
         if op == "mod":
@@ -439,25 +475,163 @@ class _Body:
         if op in _WRAPPING and not is_float and not exact:
             return _call(self._helper(_WRAPPING[op], "fg_wrap"), a)
         if op == "and":
-            band = self._band(n)
-            if band is not None:
-                return band
+            return self._conjunction(n)
+        if op in ("lt", "le", "gt", "ge") and not is_float:
+            window = self._abs_window(n)
+            if window is not None:
+                return window
         if op in _INFIX:
             return f"({a[0]} {_INFIX[op]} {a[1]})"
         raise LoweringError(f"lowering has no rule for IR op {op!r}")
 
-    def _band(self, n: Node) -> str | None:
-        """`x >= y and x - y < c` (or `<= c`, either order, `0 <= d` for `x >= y`) as one unsigned compare
-        (fg_band), where x - y cannot overflow: then x >= y is exactly 0 <= x - y. None for any other `and`."""
-        for lower, upper in (n.args, n.args[::-1]):
-            bound = _upper_bound(upper)
-            if bound is None:
+    # ---- integer division
+
+    def _nonnegative_quotient(self, n: Node) -> bool:
+        """Whether the dividend's range is >= 0 and the divisor's >= 1: floored and truncated division then agree,
+        and C's unsigned `/` and `%` compute them (the cheapest form, for a constant divisor a multiply-high)."""
+        a, b = (self.ranges.get(x.digest) for x in n.args)
+        return a is not None and b is not None and a[0] >= 0 and b[0] >= 1
+
+    def _unsigned_division(self, n: Node, a: list[str]) -> str:
+        """`//`, `%` or fmod of a dividend >= 0 by a divisor >= 1, in unsigned arithmetic, cast back to the signed
+        type (the quotient and remainder fit it)."""
+        unsigned, suffix = ("unsigned", "u") if n.dtype is DType.INT32 else ("unsigned long long", "ull")
+        divisor = n.args[1]
+        right = f"{divisor.attr}{suffix}" if divisor.op == "const" else f"({unsigned}){a[1]}"
+        return f"({CTYPE[n.dtype]})(({unsigned}){a[0]} {'/' if n.op == 'floordiv' else '%'} {right})"
+
+    # ---- conjunctions and bands
+
+    def _conjunction(self, n: Node) -> str:
+        """The terms of a conjunction `&`-ed (no short circuit: branch-free masks), with each pair of bounds
+        `x - y >= low` and `x - y < c` (or `<= c`, in any of the spellings `_at_most_zero` reads) over a difference
+        that cannot overflow written as one unsigned compare (fg_band) where the first of the two stood: low 0 and
+        any bound, or a constant low and a constant bound (a range, such as a window of tiles `|x - y| <= 1`)."""
+        terms = self.conjuncts[n.digest]
+        forms = [self._at_most_zero(t) for t in terms]
+        bands: dict[int, str] = {}
+        paired: set[int] = set()
+        for i, lower in enumerate(forms):
+            xy = _difference_at_least(lower)
+            if xy is None or i in paired:
                 continue
-            d, c, kind = bound
-            if self.ranges.get(d.digest) is None or not _nonnegative(lower, d):
-                continue
-            return _call(self._helper(f"fg_band_{kind}", "fg_band"), [self.expr[d.digest], self.expr[c.digest]])
-        return None
+            for j, upper in enumerate(forms):
+                band = None if j == i or j in paired or upper is None else self._band(*xy, upper)
+                if band is not None:
+                    paired |= {i, j}
+                    bands[min(i, j)] = band
+                    break
+        parts = [bands.get(i, self.expr[t.digest]) for i, t in enumerate(terms) if i in bands or i not in paired]
+        if not parts:
+            return "true"
+        return parts[0] if len(parts) == 1 else "(" + " & ".join(parts) + ")"
+
+    def _linear(self, n: Node) -> tuple[dict[str, tuple[Node, int]], int] | None:
+        """n as sum(coefficient * term) + constant, unfolding the + - and negations whose C operators cannot
+        overflow (so the sum is the value n has); None past _LINEAR_ATOMS terms."""
+        coefficients: dict[str, list] = {}
+        constant, stack, visits = 0, [(n, 1)], 0
+        while stack:
+            node, sign = stack.pop()
+            visits += 1
+            if visits > 4 * _LINEAR_ATOMS:
+                return None
+            if node.op == "const":
+                constant += sign * node.attr
+            elif node.op in ("add", "sub", "neg") and self.ranges.get(node.digest) is not None:
+                stack.append((node.args[0], -sign if node.op == "neg" else sign))
+                if node.op != "neg":
+                    stack.append((node.args[1], sign if node.op == "add" else -sign))
+            else:
+                coefficients.setdefault(node.digest, [node, 0])[1] += sign
+        terms = {k: (node, c) for k, (node, c) in coefficients.items() if c != 0}
+        return (terms, constant) if len(terms) <= _LINEAR_ATOMS else None
+
+    def _at_most_zero(self, n: Node) -> tuple[dict[str, tuple[Node, int]], int, bool] | None:
+        """An integer compare `a < b` (<=, >, >=) as `sum(coefficient * term) + k <= 0` over exact integers, and
+        whether it was strict; None for anything else."""
+        if n.op not in ("lt", "le", "gt", "ge") or not n.args[0].dtype.is_int or n.args[0].dtype is not n.args[1].dtype:
+            return None
+        small, big = n.args if n.op in ("lt", "le") else n.args[::-1]
+        left, right = self._linear(small), self._linear(big)
+        if left is None or right is None:
+            return None
+        terms = dict(left[0])
+        for key, (node, c) in right[0].items():
+            total = terms.get(key, (node, 0))[1] - c
+            if total:
+                terms[key] = (node, total)
+            else:
+                terms.pop(key, None)
+        strict = n.op in ("lt", "gt")
+        return terms, left[1] - right[1] + strict, strict
+
+    def _band(self, x: Node, y: Node, low: int, upper) -> str | None:
+        """fg_band_lt / fg_band_le(x - y, c) for `x - y >= 0` and the bound `upper` (from _at_most_zero) where it
+        reads `x - y <= c` and both x - y and c are computed exactly in the compare's type; for `x - y >= low` with
+        another constant low, fg_band_le(x - y - low, u - low) where the bound is a constant u and x - y - low is
+        exact too; else None."""
+        terms, k, strict = upper
+        dtype = x.dtype
+        if terms.get(x.digest, (None, 0))[1] != 1 or terms.get(y.digest, (None, 0))[1] != -1:
+            return None
+        rest = [terms[key] for key in terms if key not in (x.digest, y.digest)]
+        rx, ry = self.ranges.get(x.digest), self.ranges.get(y.digest)
+        if len(rest) > 1 or rx is None or ry is None or not _fits(rx[0] - ry[1] - low, rx[1] - ry[0] - low, dtype):
+            return None
+        sub = Node("sub", dtype, (x, y))
+        d = self.expr.get(sub.digest) if self.ranges.get(sub.digest) is not None else None
+        d = d or f"({self.expr[x.digest]} - {self.expr[y.digest]})"
+        if low != 0:
+            if rest or not _fits(low, low, dtype):
+                return None
+            # low <= x - y <= -k, that is 0 <= x - y - low <= -k - low; past the type's end the bound is its end
+            # (x - y - low lies in the type), below -1 it is -1 (no value)
+            bound = min(max(-k - low, -1), INT_RANGE[dtype][1])
+            shifted = f"({_unparen(d)} {'+' if low < 0 else '-'} {int_literal(abs(low), dtype)})"
+            return _call(self._helper("fg_band_le", "fg_band"), [shifted, int_literal(bound, dtype)])
+        # x - y + rest + k <= 0, that is x - y <= -rest - k
+        if not rest:  # a constant bound: x - y lies in the type, so one past either end is as good as the end
+            lo, hi = INT_RANGE[dtype]
+            bound = min(max(-k, lo), hi)
+            kind, bound = ("lt", bound + 1) if strict and bound < hi else ("le", bound)
+            c = int_literal(bound, dtype)
+        else:
+            (t, coefficient), = rest
+            if t.dtype is not dtype or coefficient not in (1, -1):
+                return None
+            if coefficient == -1 and k in (0, 1):  # x - y <= t (- 1): the bound as written
+                kind, c = ("lt" if k == 1 else "le"), self.expr[t.digest]
+            else:  # x - y < c computed as t + offset or offset - t, where neither overflows
+                rt, offset = self.ranges.get(t.digest), 1 - k
+                if rt is None or not _fits(offset, offset, dtype):
+                    return None
+                lo, hi = (rt[0] + offset, rt[1] + offset) if coefficient == -1 else (offset - rt[1], offset - rt[0])
+                if not _fits(lo, hi, dtype):
+                    return None
+                if coefficient == -1:
+                    minus = offset < 0 and _fits(-offset, -offset, dtype)
+                    c = f"({self.expr[t.digest]} {'-' if minus else '+'} {int_literal(-offset if minus else offset, dtype)})"
+                else:
+                    c = f"({int_literal(offset, dtype)} - {self.expr[t.digest]})"
+                kind = "lt"
+        return _call(self._helper(f"fg_band_{kind}", "fg_band"), [d, c])
+
+    def _abs_window(self, n: Node) -> str | None:
+        """`abs(d) <= c` (or `< c`, `c >= abs(d)`, `c > abs(d)`) for a constant c as one unsigned compare,
+        fg_band_le(d + c, 2 c), where d's range excludes the type's minimum (whose abs wraps to itself) and d + c and
+        2 c are exact; else None."""
+        small, big = n.args if n.op in ("lt", "le") else n.args[::-1]
+        if small.op != "abs" or big.op != "const" or small.dtype is not big.dtype:
+            return None
+        d, dtype = small.args[0], small.dtype
+        c = int(big.attr) - (n.op in ("lt", "gt"))
+        rd = self.ranges.get(d.digest)
+        if c < 0 or rd is None or rd[0] == INT_RANGE[dtype][0] or not _fits(rd[0] + c, rd[1] + c, dtype) \
+                or not _fits(2 * c, 2 * c, dtype):
+            return None
+        shifted = f"({_unparen(self.expr[d.digest])} + {int_literal(c, dtype)})" if c else self.expr[d.digest]
+        return _call(self._helper("fg_band_le", "fg_band"), [shifted, int_literal(2 * c, dtype)])
 
     def _cast(self, src: DType, dst: DType, x: str) -> str:
         if dst is DType.BOOL:
