@@ -10,8 +10,8 @@ import torch
 
 from flexgen import create_block_mask, variants as V
 from flexgen.runtime import schedule
-from flexgen.runtime.schedule import (WINDOW_TURNS, chunk_by_tail, deal_in_windows, head_chunk, kv_tile_turns,
-                                      modeled_tail, query_tile_order)
+from flexgen.runtime.schedule import (MIN_WINDOW_GAIN, WINDOW_TURNS, balanced_turns, busiest_load, chunk_by_tail,
+                                      deal_in_windows, head_chunk, kv_tile_turns, modeled_tail, query_tile_order)
 
 
 def _weights(bm, block_m):
@@ -177,6 +177,35 @@ def test_backward_turns_in_windows_balance_causal_masks(kv_tiles, heads):
             loads[turn >= 0] += steps[turn[turn >= 0].long()]
         imbalance[window] = float(loads.max()) / float(loads.float().mean())
     assert imbalance[4] < 1.01 and imbalance[1] > 1.02
+
+
+def _tile_costs(mask, n: int, batch: int, heads: int) -> torch.Tensor:
+    """The costs kv_tile_turns weighs the 128-key tiles of `mask` by (its query blocks, partial ones twice, + 1)."""
+    bm = create_block_mask(mask, None, None, n, n, device="cpu")
+    weights = 2 * bm.q_num_blocks.to(torch.int64) + bm.full_q_num_blocks
+    return weights.expand(batch, heads, -1).reshape(-1) + 1
+
+
+def test_windows_are_taken_only_where_the_model_gains():
+    """Over windows of turns where the busiest CTA comes out MIN_WINDOW_GAIN lighter, else turn by turn. At
+    N = 8k, B = 2, H = 16 over 132 CTAs, the masks whose A/B gained 3-7% (causal, prefix-LM, documents) take windows
+    and the sliding window, which lost 25% with them, does not (docs/scheduling.md)."""
+    doc = torch.repeat_interleave(torch.arange(6), torch.tensor([1500, 900, 2100, 700, 1800, 1192])).to(torch.int32)
+    cases = {"causal": (V.causal, True), "prefix-lm": (lambda b, h, q, kv: (kv < 2048) | (q >= kv), True),
+             "documents": (lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), True),
+             "sliding window": (V.sliding_window(1024), False)}
+    for name, (mask, windows) in cases.items():
+        cost = _tile_costs(mask, 8192, 2, 16)
+        by_turn, windowed = deal_in_windows(cost, 132, 1), deal_in_windows(cost, 132, WINDOW_TURNS)
+        chosen = balanced_turns(cost, 132)
+        assert sorted(t for t in chosen.tolist() if t >= 0) == list(range(cost.numel())), name
+        assert torch.equal(chosen, windowed if windows else by_turn), name
+        gain = 1 - float(busiest_load(windowed, cost, 132)) / float(busiest_load(by_turn, cost, 132))
+        assert (gain >= MIN_WINDOW_GAIN) == windows, (name, gain)
+    # window 1 and a gain nobody reaches are turn by turn
+    cost = _tile_costs(V.causal, 8192, 2, 16)
+    assert torch.equal(balanced_turns(cost, 132, window=1), deal_in_windows(cost, 132, 1))
+    assert torch.equal(balanced_turns(cost, 132, min_gain=0.5), deal_in_windows(cost, 132, 1))
 
 
 def test_backward_turns_with_gqa_per_head_masks_and_a_short_last_round():
