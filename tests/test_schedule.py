@@ -180,10 +180,9 @@ def test_backward_turns_in_windows_balance_causal_masks(kv_tiles, heads):
 
 
 def _tile_costs(mask, n: int, batch: int, heads: int) -> torch.Tensor:
-    """The costs kv_tile_turns weighs the 128-key tiles of `mask` by (its query blocks, partial ones twice, + 1)."""
+    """The costs kv_tile_turns weighs the 128-key tiles of `mask` by (_tile_weights, + 1)."""
     bm = create_block_mask(mask, None, None, n, n, device="cpu")
-    weights = 2 * bm.q_num_blocks.to(torch.int64) + bm.full_q_num_blocks
-    return weights.expand(batch, heads, -1).reshape(-1) + 1
+    return torch.tensor(_tile_weights(bm, 128, n // 128, batch, heads, heads)) + 1
 
 
 def test_windows_are_taken_only_where_the_model_gains():
