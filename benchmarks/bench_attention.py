@@ -59,8 +59,13 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# FLEXGEN_TREE: a directory holding another flexgen package to time in place of this checkout's (an end-to-end A/B
+# of two trees, e.g. `git archive REV flexgen | tar -x -C DIR`); PYTHONPATH cannot do it, as ROOT goes first.
+TREE = os.path.abspath(os.environ.get("FLEXGEN_TREE") or ROOT)
+if not os.path.isfile(os.path.join(TREE, "flexgen", "__init__.py")):
+    sys.exit(f"bench_attention: FLEXGEN_TREE={TREE} holds no flexgen package (flexgen/__init__.py)")
+if TREE not in sys.path:
+    sys.path.insert(0, TREE)
 
 DEFAULT_VARIANTS = ["full", "causal", "sliding1024", "alibi-causal", "softcap30-causal", "document-causal", "prefix-lm"]
 # Also known (--variants): masks spelled with // and % or as other libraries write them
@@ -1067,7 +1072,7 @@ def driver_main(args):
 
     script = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = TREE + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     common = ([f"--warmup={args.warmup}", f"--rep={args.rep}", f"--order={args.order}", f"--cooldown={args.cooldown}"]
               + (["--fwd-only"] if args.fwd_only else []) + (["--cpu"] if args.cpu else []))
 
@@ -1176,6 +1181,7 @@ def environment_meta(args):
         import flexgen
 
         meta["flexgen"] = flexgen.__version__
+        meta["flexgen_tree"] = os.path.dirname(os.path.dirname(os.path.abspath(flexgen.__file__)))
     except Exception as e:
         meta["flexgen"] = f"import failed: {short(e)}"
     try:  # which compiler built flexgen's kernels: ptxas versions differ in the code they make of one source
