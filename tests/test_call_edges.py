@@ -508,3 +508,43 @@ def test_the_unfused_output_strides_order_as_the_querys_with_a_size_one_dim():
         warnings.simplefilter("ignore")  # (the unfused path's notice)
         out = flexgen.flex_attention(q, q, q)
     assert out.stride() == q.stride()
+
+
+def _row_major_by_definition(t: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 5, 8), (2, 1, 5, 8), (1, 1, 1, 8), (3, 2, 5, 8), (2, 3, 1, 1)])
+def test_row_major_is_exactly_the_row_major_strides(shape):
+    """row_major (its strides cached per shape) against the definition, on layouts whose size-1 dims carry any
+    stride: permuted, expanded, sliced, restrided."""
+    from flexgen.runtime.call_checks import row_major
+
+    base = torch.empty(shape)
+    layouts = [base, base.transpose(1, 2).contiguous().transpose(1, 2), base[..., ::2], base.expand(*shape),
+               base[:1].expand(4, *shape[1:]), base.as_strided(shape, (1,) * len(shape)),
+               torch.empty_permuted(shape, (0, 2, 1, 3))]
+    for t in layouts:
+        assert row_major(t) == _row_major_by_definition(t), (t.shape, t.stride())
+        assert row_major(t) == _row_major_by_definition(t)  # (the second time from the cache)
+
+
+def test_layout_allocator_allocates_like_empty_like_layout():
+    """The allocator a planned launch keeps makes, at every call, a fresh tensor of the layout empty_like_layout
+    gives."""
+    from flexgen.runtime.call_checks import layout_allocator
+
+    likes = [torch.empty(2, 3, 5, 8), torch.empty(2, 5, 3, 8).transpose(1, 2), torch.empty(1, 3, 5, 8).expand(4, 3, 5, 8),
+             torch.empty(1, 3, 5, 8).transpose(1, 2)]
+    for like in likes:
+        for shape, dtype in ((None, None), ((like.shape[0], like.shape[1], 7, 8), torch.float32)):
+            make = layout_allocator(like, shape, dtype)
+            a, b = make(), make()
+            want = empty_like_layout(like, shape, dtype)
+            assert a.shape == want.shape and a.stride() == want.stride() and a.dtype == want.dtype
+            assert a.data_ptr() != b.data_ptr()

@@ -33,6 +33,7 @@ would, the call is refused.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,7 +41,7 @@ import torch
 from ..codegen.params import BWD_PARAMS, BWD_POST_PARAMS, BWD_PRE_PARAMS
 from . import families
 from .arguments import kernel_ready, mod_arguments, rows_aligned
-from .call_checks import empty_like_layout
+from .call_checks import empty_like_layout, layout_allocator
 from .coarse_rows import coarse_rows
 from ..cache.kernel import dim3
 from ..codegen.spec import dq_fragments
@@ -49,7 +50,7 @@ from .kernel_symbols import shared_memory_bytes
 from .plan import backward_helpers, make_spec
 from .schedule import sm_count
 from .streams import current_stream_ptr
-from .tensor_maps import map_layout, tile_map
+from .tensor_maps import map_layout
 
 def _num_splits(num_kv_tiles: int, batch: int, kv_heads: int, device: torch.device) -> int:
     """Deterministic mode: KV-tile CTAs per (batch, KV head), about two waves of the GPU."""
@@ -279,6 +280,8 @@ class BackwardLaunch:
         self.shared_memory = int(shared_memory_bytes(self.kernel))
         self._keep = (mask_lists, self.buffers, schedule, p.mod if not grad_buffers else None)
         self.maps = None
+        self._do_layout = None  # dO's MapLayout, made at the first run
+        self._empty: tuple | None = None  # _allocators, made at the first run
         if family.tensor_maps:
             dq_accum = torch.empty(batch, heads, q_len, d, dtype=torch.float32, device="meta")  # (one split)
             dq_by_tma = want_dq and not deterministic and not self.dq_fragments
@@ -298,6 +301,22 @@ class BackwardLaunch:
             post.mod = empty_args
             self.post_grid = dim3((-(-q_len // post_spec.block_m), heads, batch))
             self.post_threads = dim3(families.of(post_spec).threads_per_cta(post_spec))
+
+    def _allocators(self, query, key, value) -> tuple:
+        """Allocators of the per-row fp32 scratch (delta, lse in log2 units), dQ's accumulator, dK, dV and dQ (each
+        a function of no arguments; None where that gradient is not wanted), for the layouts the launch serves,
+        worked out at its first run."""
+        batch, heads, q_len, d = query.shape
+        kv_heads, kv_len = key.shape[1], key.shape[2]
+        want_dq, want_dk, want_dv = self.want
+        rows = functools.partial(torch.empty, (batch, heads, self.q_len_padded), dtype=torch.float32,
+                                 device=self.device)
+        self._empty = (rows,
+                       functools.partial(self.dq_accumulator, batch, heads, q_len, d) if want_dq else None,
+                       layout_allocator(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None,
+                       layout_allocator(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None,
+                       layout_allocator(query, (batch, heads, q_len, d)) if want_dq else None)
+        return self._empty
 
     def _buffer_grads(self) -> tuple[dict, torch.Tensor | None]:
         """The zeroed tensors the kernel adds the buffers' gradients into, by name, and in deterministic mode the
@@ -338,17 +357,16 @@ class BackwardLaunch:
             q, k, v, o = (kernel_ready(t) if copy else t for t, copy in zip((query, key, value, out), self.copies))
         do = kernel_ready(grad_out.to(self.dtype))
         lse = lse.contiguous()  # (only the preprocess kernel reads it)
-        batch, heads, q_len, d = query.shape
-        kv_heads, kv_len = key.shape[1], key.shape[2]
+        q_len = query.shape[2]
         device = self.device
         with torch.cuda.device(device):  # kernels launch on the current device
             stream = current_stream_ptr(device)
+            empty_rows, empty_dq_accum, empty_dk, empty_dv, empty_dq = self._empty or self._allocators(query, key, value)
             # lse and delta as the main kernel reads them (see ROWS_ALIGN); the preprocess writes every element.
-            delta = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
-            lse_log2 = torch.empty(batch, heads, self.q_len_padded, dtype=torch.float32, device=device)
-            dq_accum = self.dq_accumulator(batch, heads, q_len, d) if want_dq else None
-            dk = empty_like_layout(key, (batch, kv_heads, kv_len, d), self.dtype) if want_dk else None
-            dv = empty_like_layout(value, (batch, kv_heads, kv_len, d), self.dtype) if want_dv else None
+            delta, lse_log2 = empty_rows(), empty_rows()
+            dq_accum = empty_dq_accum() if want_dq else None
+            dk = empty_dk() if want_dk else None
+            dv = empty_dv() if want_dv else None
             do_strides = do.stride()[:3]
 
             self.preprocess(o, do, lse, delta, lse_log2, dq_accum, stream)
@@ -374,7 +392,10 @@ class BackwardLaunch:
             if self.maps is not None:
                 q_map, k_map, v_map, dq_map, dk_map, dv_map = self.maps
                 p.q_map, p.k_map, p.v_map = q_map.at(p.q), k_map.at(p.k), v_map.at(p.v)
-                p.do_map = tile_map(do, self.do_rows)
+                do_layout = self._do_layout
+                if do_layout is None:  # (a launch serves one layout of the output gradient)
+                    do_layout = self._do_layout = map_layout(do, self.do_rows)
+                p.do_map = do_layout.at(p.dout)
                 if dq_map is not None:  # dQ added by TMA reductions
                     p.dq_map = dq_map.at(p.dq_accum)
                 if dk_map is not None:  # dK and dV stored by TMA
@@ -393,7 +414,7 @@ class BackwardLaunch:
             # 3. dQ in the input dtype
             dq = None
             if want_dq:
-                dq = empty_like_layout(query, (batch, heads, q_len, d))
+                dq = empty_dq()
                 post = type(self.post).from_buffer_copy(self.post)
                 post.dq_accum, post.dq = dq_accum.data_ptr(), dq.data_ptr()
                 self.post_kernel.launch_dim3(self.post_grid, self.post_threads, 0, stream, post)

@@ -3,7 +3,9 @@
 the same calls with the same errors. Also the layout of the outputs, which both must agree on."""
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 
@@ -139,19 +141,36 @@ def row_major(t: torch.Tensor) -> bool:
     which PyTorch's stride order does not; without one it decides, and is the fast test)."""
     if 1 not in t.shape:
         return t.is_contiguous()
-    expected = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
-        if stride != expected:
-            return False
+    try:
+        return t.stride() == _row_major_strides_cached(t.shape)
+    except TypeError:  # (symbolic sizes under torch.compile are no keys)
+        return tuple(t.stride()) == _row_major_strides(t.shape)
+
+
+@functools.lru_cache(maxsize=256)  # (planned calls ask for the same few shapes at every step)
+def _row_major_strides_cached(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return _row_major_strides(shape)
+
+
+def _row_major_strides(shape) -> tuple[int, ...]:
+    strides, expected = [], 1
+    for size in reversed(shape):
+        strides.append(expected)
         expected *= size
-    return True
+    return tuple(reversed(strides))
 
 
 def empty_like_layout(like: torch.Tensor, shape=None, dtype=None, device=None) -> torch.Tensor:
     """An empty tensor of `shape` (default like's) laid out in like's dimension order, on like's device (or
     `device`: "meta" for the layout alone)."""
+    return layout_allocator(like, shape, dtype, device)()
+
+
+def layout_allocator(like: torch.Tensor, shape=None, dtype=None, device=None) -> Callable[[], torch.Tensor]:
+    """What empty_like_layout(like, shape, dtype, device) does, as a function of no arguments: a planned launch
+    works out the layout once and allocates per call."""
     shape = tuple(like.shape if shape is None else shape)
     device = like.device if device is None else device
     if row_major(like):  # the common case, without working out the order
-        return torch.empty(shape, dtype=dtype or like.dtype, device=device)
-    return torch.empty_permuted(shape, dim_order(like), dtype=dtype or like.dtype, device=device)
+        return functools.partial(torch.empty, shape, dtype=dtype or like.dtype, device=device)
+    return functools.partial(torch.empty_permuted, shape, dim_order(like), dtype=dtype or like.dtype, device=device)

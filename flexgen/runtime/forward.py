@@ -6,6 +6,8 @@ fills its ctypes type.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..blockmask import BlockMask
@@ -19,7 +21,7 @@ from ..dropout import check_dropout, dropout_scale, dropout_threshold
 from ..dsl.mod import Mod
 from . import families
 from .arguments import kernel_ready, mod_arguments
-from .call_checks import check_block_grid, empty_like_layout
+from .call_checks import check_block_grid, empty_like_layout, layout_allocator
 from .coarse_rows import coarse_rows
 from .kernel_symbols import shared_memory_bytes
 from .plan import make_spec
@@ -98,6 +100,15 @@ class ForwardLaunch:
         self.shared_memory = int(shared_memory_bytes(kernel))
         self.writes_max = bool(spec.option("max_scores", False))
         self._maps: tuple | None = None  # (q, k, v, o) MapLayouts, made at the first run
+        self._empty: tuple | None = None  # (O's allocation, a per-row fp32 one), made at the first run
+
+    def _output_makers(self, query) -> tuple:
+        """Allocators of O (in the query's dimension order, as PyTorch's) and of a per-row fp32 output (the lse,
+        the row max) for the layout the launch serves, worked out once."""
+        b, h, lq, _ = query.shape
+        empty_rows = functools.partial(torch.empty, (b, h, lq), dtype=torch.float32, device=query.device)
+        self._empty = (layout_allocator(query), empty_rows)
+        return self._empty
 
     def run(self, query, key, value, philox: tuple[int, int] | None = None):
         """(out, lse, max_scores) of these inputs, of the layout the launch was planned for; max_scores None unless
@@ -105,9 +116,8 @@ class ForwardLaunch:
         q, k, v = query, key, value
         if self.copies != (False, False, False):
             q, k, v = (kernel_ready(t) if copy else t for t, copy in zip((query, key, value), self.copies))
-        b, h, lq, d = query.shape
-        out = empty_like_layout(query, (b, h, lq, d))  # in the query's dimension order, as PyTorch's
-        lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+        empty_out, empty_rows = self._empty or self._output_makers(query)
+        out, lse = empty_out(), empty_rows()
         p = type(self.params).from_buffer_copy(self.params)
         p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
         if self.family.tensor_maps:
@@ -120,7 +130,7 @@ class ForwardLaunch:
             p.philox_seed, p.philox_offset = philox
         row_max = None
         if self.writes_max:
-            row_max = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+            row_max = empty_rows()
             p.max_scores = row_max.data_ptr()
         for field in self._late_fields:
             field.fill(p)
