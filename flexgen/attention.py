@@ -243,7 +243,7 @@ def flex_attention(
         plan_key = eager_plans.signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                                          kernel_options, dropout_p, return_aux)
         plan = None if plan_key is None else eager_plans.find(plan_key, score_mod, block_mask)
-        if plan is not None and plan.route_ok(query, key, value, plan.buffers):
+        if plan is not None and plan.route_ok():
             return _as_requested(*plan.run(query, *_broadcast_kv_batch(query, key, value)), return_lse, return_aux)
     from .dropout import check_dropout_range
     from .ops import attention_eager, attention_fwd, default_scale, eager_route_ok, mask_tensors
@@ -337,7 +337,7 @@ def _plan(plan_key: tuple, query, key, value, op_args: tuple, score_mod, block_m
     paths = (eager_plans.buffer_paths(score_mod, score_buffers),
              eager_plans.buffer_paths(getattr(block_mask, "mask_mod", None), mask_buffers))
     plan = eager_plans.EagerPlan(launch, call, tuple(buffers), records_grad(query, key, value, buffers),
-                                 route_ok=lambda *a: ops.eager_route_ok(*a),  # (looked up per call)
+                                 route_ok=lambda: ops.no_modes_active(),  # (looked up per call)
                                  paths=paths, score_buffers=len(score_buffers))
     if None not in paths:
         eager_plans.keep(plan_key, plan, score_mod, block_mask)

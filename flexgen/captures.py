@@ -27,6 +27,8 @@ def closure_key(fn) -> tuple:
     """What a traced function's Mod depends on besides its code: the objects its closure cells and the module
     globals it names hold now (a global tensor rebound, `bias = torch.randn(...)`, is another variant), by id, and
     the plain values it reaches inside objects it captures (plain_values)."""
+    if fn is None:
+        return ()
     cells = getattr(fn, "__closure__", None) or ()
     out, held = [], []
     for c in cells:

@@ -68,7 +68,7 @@ def signature(query, key, value, score_mod, block_mask, scale, enable_gqa, retur
         if kernel_options:
             options = tuple(sorted(kernel_options.items()))
             hash(options)
-        mask_mod = getattr(block_mask, "mask_mod", None)
+        mask_mod = None if block_mask is None else getattr(block_mask, "mask_mod", None)
         return (_callable_identity(score_mod), id(block_mask), _callable_identity(mask_mod), _mask_state(block_mask),
                 scale, enable_gqa, return_lse, return_aux, options, torch.is_grad_enabled(),
                 _layout(query), _layout(key), _layout(value))
@@ -137,7 +137,7 @@ class EagerPlan:
     def __init__(self, launch, call: tuple, buffers: tuple, records_grad: bool, route_ok,
                  paths: tuple[tuple, tuple] = ((), ()), score_buffers: int = 0):
         self.launch, self.call, self.buffers = launch, call, buffers
-        self.route_ok = route_ok  # ops.eager_route_ok: whether the call may bypass the ops, checked per call
+        self.route_ok = route_ok  # ops.no_modes_active: whether the call may bypass the ops, checked per call
         self.buffer_state = _buffer_state(buffers)
         self.records_grad = records_grad
         score_paths, mask_paths = (p or () for p in paths)  # (None: not found; such a plan is not kept)

@@ -338,8 +338,13 @@ def eager_route_ok(q: Tensor, k: Tensor, v: Tensor, buffers) -> bool:
     """True where the ops' dispatcher has nothing to do: not tracing, plain CUDA tensors (no subclass,
     fake or meta tensor), no torch function or dispatch mode and no functorch transform active."""
     return (not torch.compiler.is_compiling() and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-            and q.device.type == "cuda" and all(type(b) is Tensor for b in buffers)
-            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+            and q.device.type == "cuda" and all(type(b) is Tensor for b in buffers) and no_modes_active())
+
+
+def no_modes_active() -> bool:
+    """No torch function or dispatch mode and no functorch transform active: the part of eager_route_ok that a
+    planned call checks per call (its tensors' types and device are in its signature, eager_plans.py)."""
+    return (torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
             and torch._C._functorch.peek_interpreter_stack() is None)
 
 
