@@ -13,13 +13,19 @@ from . import store
 from .errors import CUDA_EXTRA_HINT
 
 
+_cupy_cuda_module = None
+
+
 def _cupy_cuda():
     """cupy.cuda (the driver API flexgen launches through), or an error saying what to install."""
-    try:
-        import cupy.cuda
-    except ImportError as e:
-        raise ImportError(f"launching flexgen kernels needs cupy ({e}): {CUDA_EXTRA_HINT}") from None
-    return cupy.cuda
+    global _cupy_cuda_module
+    if _cupy_cuda_module is None:
+        try:
+            import cupy.cuda
+        except ImportError as e:
+            raise ImportError(f"launching flexgen kernels needs cupy ({e}): {CUDA_EXTRA_HINT}") from None
+        _cupy_cuda_module = cupy.cuda
+    return _cupy_cuda_module
 
 MAX_STATIC_SHARED = 48 * 1024  # above this, dynamic shared memory must be opted into per function
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
@@ -124,9 +130,14 @@ def make_context_current() -> int:
     touched the device there. cudaSetDevice makes the primary context current."""
     cuda = _cupy_cuda()
     index = cuda.runtime.getDevice()
-    if cuda.driver.ctxGetCurrent() == 0:
-        cuda.runtime.setDevice(index)
+    if not getattr(_this_thread, "has_context", False):  # (a thread that has a current context keeps one)
+        if cuda.driver.ctxGetCurrent() == 0:
+            cuda.runtime.setDevice(index)
+        _this_thread.has_context = True
     return index
+
+
+_this_thread = threading.local()
 
 
 def dim3(d) -> tuple[int, int, int]:
