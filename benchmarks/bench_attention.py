@@ -58,14 +58,10 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# FLEXGEN_TREE: a directory holding another flexgen package to time in place of this checkout's (an end-to-end A/B
-# of two trees, e.g. `git archive REV flexgen | tar -x -C DIR`); PYTHONPATH cannot do it, as ROOT goes first.
-TREE = os.path.abspath(os.environ.get("FLEXGEN_TREE") or ROOT)
-if not os.path.isfile(os.path.join(TREE, "flexgen", "__init__.py")):
-    sys.exit(f"bench_attention: FLEXGEN_TREE={TREE} holds no flexgen package (flexgen/__init__.py)")
-if TREE not in sys.path:
-    sys.path.insert(0, TREE)
+import flexgen_tree  # noqa: E402  (benchmarks/ is the script's own directory)
+
+ROOT = flexgen_tree.CHECKOUT
+TREE = flexgen_tree.select("bench_attention")  # FLEXGEN_TREE: another tree's flexgen, for an end-to-end A/B
 
 DEFAULT_VARIANTS = ["full", "causal", "sliding1024", "alibi-causal", "softcap30-causal", "document-causal", "prefix-lm"]
 # Also known (--variants): masks spelled with // and % or as other libraries write them

@@ -2,26 +2,28 @@
 """The Python work per attention call, on a GPU: wall time per call for a call so small that the kernels
 finish long before the host issues the next one, so the host path is what is timed.
 
-    python3 benchmarks/host_path.py [--calls 2000] [--profile]
+    python3 benchmarks/host_path.py [--calls 2000] [--impls flexgen,flex,sdpa] [--profile]
 
 For flexgen (forward alone, forward + backward; a decoding step), compiled FlexAttention and SDPA: the median over five
 batches of `--calls` back-to-back calls of wall time per call (one synchronize per batch), and beside it
 the GPU time of the same calls (CUDA events around the batch), so a figure that is host-bound shows as
-wall >> GPU. `--profile` prints cProfile's top entries for flexgen's forward and for its forward + backward.
+wall >> GPU; then the latency of one call issued to an idle GPU (the median host time of `--calls` calls, each after
+a synchronize), which no queue of earlier launches can lengthen. `--profile` prints cProfile's top entries for
+flexgen's forward and for its forward + backward. FLEXGEN_TREE=DIR times the flexgen package under DIR (as
+bench_attention.py does): hosts differ by a third from process to process, so an A/B of two trees alternates
+processes and compares each tree's figures with SDPA's in the same process.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import flexgen_tree  # noqa: E402  (benchmarks/ is the script's own directory)
+
+TREE = flexgen_tree.select("host_path")
 
 import torch  # noqa: E402
 
@@ -45,10 +47,24 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(gpus)
 
 
+def latency_us(fn, calls: int) -> float:
+    """Median host time of one call issued to an idle GPU (a synchronize before each)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--impls", default="flexgen,flex,sdpa",
+                        help="comma-separated, of flexgen, flex (compiled FlexAttention), sdpa")
     args = parser.parse_args()
 
     import flexgen
@@ -104,12 +120,17 @@ def main() -> None:
         torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(grad)
 
     print(f"host path on {torch.cuda.get_device_name()} (torch {torch.__version__}); B={b} H={h} N={n} D={d} "
-          f"bf16 causal; us per call, wall / GPU")
+          f"bf16 causal; us per call, wall / GPU, then the latency of one call on an idle GPU; flexgen from {TREE}")
+    impls = args.impls.split(",")
     for name, fwd, step in (("flexgen", flexgen_fwd, flexgen_step), ("flex (compiled)", flex_fwd, flex_step),
                             ("sdpa", sdpa_fwd, sdpa_step)):
+        if name.split()[0] not in impls:
+            continue
         fw, fg = per_call_us(fwd, args.calls)
         sw, sg = per_call_us(step, max(args.calls // 4, 50))
-        print(f"  {name:16s} forward {fw:7.1f} / {fg:6.1f}    forward+backward {sw:7.1f} / {sg:6.1f}")
+        fl, sl = latency_us(fwd, args.calls), latency_us(step, max(args.calls // 4, 50))
+        print(f"  {name:16s} forward {fw:7.1f} / {fg:6.1f}    forward+backward {sw:7.1f} / {sg:6.1f}    "
+              f"latency {fl:6.1f} / {sl:6.1f}")
     print("decoding step (B=1, 8 query heads, 2 KV heads, 1 row, 4096 keys); us per call, wall / GPU")
     for name, fn in (("flexgen", flexgen_decode), ("sdpa", sdpa_decode)):
         wall, gpu = per_call_us(fn, args.calls)
