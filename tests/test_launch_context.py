@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+from at_once import at_once
 from flexgen.cache import kernel as kernel_mod
 
 
@@ -28,21 +29,12 @@ def test_each_thread_is_given_a_context_once(monkeypatch):
     monkeypatch.setattr(kernel_mod, "_cupy_cuda", lambda: _fake_cuda(current, asked, made))
     monkeypatch.setattr(kernel_mod, "_this_thread", threading.local())
 
-    both_started = threading.Barrier(2)  # (alive together: two threads, two idents)
-    results = []
+    def launches(_):
+        return threading.get_ident(), [kernel_mod.make_context_current() for _ in range(3)]
 
-    def launches():
-        both_started.wait()
-        results.append([kernel_mod.make_context_current() for _ in range(3)])
-        both_started.wait()
-
-    threads = [threading.Thread(target=launches) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    idents = sorted(t.ident for t in threads)
-    assert results == [[3, 3, 3]] * 2
+    ran = at_once(launches, 2)  # (both threads alive at once: two idents)
+    idents = sorted(ident for ident, _ in ran)
+    assert [indices for _, indices in ran] == [[3, 3, 3]] * 2
     assert sorted(made) == [(i, 3) for i in idents]  # the primary context made current once in each fresh thread
     assert sorted(asked) == idents  # and the driver asked once per thread, not per launch
 
